@@ -1,0 +1,188 @@
+"""One config story: typed dataclasses, YAML recipes, dotted `key=value` overrides.
+
+An unknown key or a bad value fails before anything loads, naming the key and the closest
+valid one. Recipes are data: YAML is read with `yaml.safe_load`, never evaluated as code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the config schema."""
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """The shared training loop."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    max_steps: int = 1000
+    max_epochs: float = 1.0e9
+    batch_size: int = 8  # per device, per micro-step
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = 0.05
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    save_every: int = 500
+    keep_last: int = 2
+    best_metric: str = ""  # key of an evaluation metric; empty: no best checkpoint
+    best_mode: Literal["max", "min"] = "max"
+    early_stop_patience: int = 0  # evaluations without a new best before stopping; 0: never
+    resume: Literal["auto", "never"] = "auto"
+    log_every: int = 10
+    tracker: Literal["none", "wandb", "tensorboard", "trackio"] = "none"
+    project: str = "draftsmith"
+    num_workers: int = 0
+
+    def __post_init__(self):
+        _check(self.max_steps > 0, "loop.max_steps", "must be > 0")
+        _check(self.batch_size > 0, "loop.batch_size", "must be > 0")
+        _check(self.grad_accum > 0, "loop.grad_accum", "must be > 0")
+        _check(self.lr > 0, "loop.lr", "must be > 0")
+        _check(0 <= self.warmup_ratio < 1, "loop.warmup_ratio", "must be in [0, 1)")
+        _check(self.save_every > 0, "loop.save_every", "must be > 0")
+        _check(self.keep_last >= 1, "loop.keep_last", "must be >= 1")
+        _check(self.grad_clip >= 0, "loop.grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML or command-line value to the annotated type, or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return build(tp, value, prefix=key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}{hint}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+        item = args[0] if args else Any
+        return origin(_coerce(v, item, key) for v in value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}")
+        try:
+            out = tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return out
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build(cls, values: dict[str, Any], prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys with a suggestion."""
+    fields = _fields(cls)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {sorted(fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}" if prefix and not str(e).startswith(prefix) else str(e)) from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: str) -> None:
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: '{part}' is not a section")
+        tree = node
+    tree[parts[-1]] = value
+
+
+def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
+    """Recipe YAML (optional) + `key=value` overrides -> validated `cls` instance."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path} not found; pass --config with a YAML file under recipes/")
+        tree = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"recipe {path}: top level must be a mapping")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. loop.lr=3e-4)")
+        key, value = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(value) if value.strip() else "")
+    return build(cls, tree)
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict of a config, for YAML and trackers."""
+    def plain(v):
+        return list(v) if isinstance(v, tuple) else v
+    out = dataclasses.asdict(cfg)
+
+    def walk(d):
+        return {k: walk(v) if isinstance(v, dict) else plain(v) for k, v in d.items()}
+    return walk(out)

@@ -1,0 +1,363 @@
+"""The one training loop every method uses.
+
+A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its trainable
+parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
+rates) and `save_pretrained(dir)` (the artefact evaluation and export read). The loop owns
+everything else: accelerate, gradient accumulation, mixed precision, clipping, schedule,
+trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
+
+Run directory layout:
+    config.yaml, command.txt, metrics.jsonl
+    checkpoint-<step>/  trainable.safetensors, optimizer.pt, scheduler.pt, rng.safetensors,
+                        state.json, model/ (method.save_pretrained)
+    best/               a copy of the best checkpoint's model/ plus best.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from draftsmith.train.config import LoopConfig
+
+Evaluate = Callable[[nn.Module, int], dict]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf."""
+
+
+@dataclass
+class LoopState:
+    """Where training stands: optimizer steps done and the data position."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_batch: int = 0  # micro-batches of this epoch already consumed (all ranks together)
+    best_value: float | None = None
+    evals_since_best: int = 0
+
+
+class EpochSampler:
+    """Seeded permutation per epoch, cut into global micro-batches and sharded by rank.
+
+    Micro-batch j of epoch e for rank r is perm_e[j*G + r*b : j*G + (r+1)*b] with G = b * world,
+    so the data position is a pair (e, j) and resuming from it sees each example exactly once.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        self.n, self.b, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
+        self.per_epoch = n // (batch_size * world)
+        if self.per_epoch == 0:
+            raise ValueError(f"dataset of {n} rows is smaller than one global batch ({batch_size} x {world}); "
+                             "lower loop.batch_size or add data")
+
+    def batches(self, epoch: int, start: int):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        G = self.b * self.world
+        for j in range(start, self.per_epoch):
+            lo = j * G + self.rank * self.b
+            yield j, perm[lo: lo + self.b]
+
+
+def lr_lambda(cfg: LoopConfig) -> Callable[[int], float]:
+    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
+    return f
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack equal-length rows of lists into tensors; right-pad ragged ones (mask 0 on padding)."""
+    keys = rows[0].keys()
+    longest = max(len(r["input_ids"]) for r in rows)
+    out = {}
+    for k in keys:
+        pad = 0
+        out[k] = torch.tensor([list(r[k]) + [pad] * (longest - len(r[k])) for r in rows])
+    if "attention_mask" not in out and any(len(r["input_ids"]) < longest for r in rows):
+        out["attention_mask"] = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"]))
+                                              for r in rows])
+    return out
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    np_state = np.random.get_state()
+    meta = {"python": _listify(random.getstate()),
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    return tensors, meta
+
+
+def _listify(x):
+    return [_listify(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _tupleify(x):
+    return tuple(_tupleify(v) for v in x) if isinstance(x, list) else x
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(_tupleify(meta["python"]))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters the optimizer owns, by name (frozen parts are never checkpointed)."""
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (a half-written one ends in .tmp and is ignored)."""
+    found = [p for p in run_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory under a temporary name, then rename it into place."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Loop:
+    """Train `method` on `dataset` under `cfg`; call `evaluate` at every checkpoint."""
+
+    def __init__(self, cfg: LoopConfig, method: nn.Module, dataset, evaluate: Evaluate | None = None,
+                 run_config: dict | None = None, collate_fn=collate):
+        self.cfg, self.dataset, self.evaluate, self.collate = cfg, dataset, evaluate, collate_fn
+        self.run_dir = Path(cfg.output_dir)
+        tracker = None if cfg.tracker == "none" else cfg.tracker
+        if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=tracker,
+                                       project_dir=str(self.run_dir))
+        set_seed(cfg.seed)
+        groups = method.param_groups(cfg.lr) if hasattr(method, "param_groups") else \
+            [{"params": [p for p in method.parameters() if p.requires_grad]}]
+        if not any(g["params"] for g in groups):
+            raise ValueError("the method has no trainable parameters")
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
+        self.state = LoopState()
+        if self.accelerator.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(run_config or {}, sort_keys=False))
+            (self.run_dir / "command.txt").write_text(" ".join([sys.executable, *sys.argv]) + "\n")
+        if tracker:
+            self.accelerator.init_trackers(cfg.project, config=_flat(run_config or {}))
+        if cfg.resume == "auto" and checkpoints(self.run_dir):
+            self.load(checkpoints(self.run_dir)[-1])
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.method)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def save(self, metrics: dict) -> Path:
+        """Write checkpoint-<step> atomically, prune old ones, and refresh best/."""
+        self.accelerator.wait_for_everyone()
+        final = self.run_dir / f"checkpoint-{self.state.step}"
+        if self.accelerator.is_main_process:
+            model = self.unwrapped
+
+            def write(d: Path) -> None:
+                save_file(trainable_state(model), d / "trainable.safetensors")
+                torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+                torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+                tensors, meta = _rng_state()
+                save_file(tensors, d / "rng.safetensors")
+                (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics}))
+                if hasattr(model, "save_pretrained"):
+                    model.save_pretrained(d / "model")
+            _atomic_dir(final, write)
+            is_best = self._update_best(metrics)
+            if is_best and (final / "model").exists():
+                _atomic_dir(self.run_dir / "best", lambda d: (
+                    shutil.copytree(final / "model", d, dirs_exist_ok=True),
+                    (d / "best.json").write_text(json.dumps({"step": self.state.step, **metrics}))))
+            for old in checkpoints(self.run_dir)[: -self.cfg.keep_last]:
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return final
+
+    def _update_best(self, metrics: dict) -> bool:
+        key = self.cfg.best_metric
+        if not key:
+            return False
+        if key not in metrics:
+            raise KeyError(f"loop.best_metric={key!r} is not among the evaluation metrics {sorted(metrics)}")
+        value, best = float(metrics[key]), self.state.best_value
+        better = best is None or (value > best if self.cfg.best_mode == "max" else value < best)
+        if better:
+            self.state.best_value, self.state.evals_since_best = value, 0
+        else:
+            self.state.evals_since_best += 1
+        return better
+
+    def load(self, ckpt: Path) -> None:
+        """Restore weights, optimizer, scheduler, data position and RNG from a checkpoint."""
+        model = self.unwrapped
+        weights = load_file(ckpt / "trainable.safetensors")
+        expected = {n for n, p in model.named_parameters() if p.requires_grad}
+        if set(weights) != expected:
+            raise ValueError(f"{ckpt} does not match this method's trainable parameters "
+                             f"(missing {sorted(expected - set(weights))[:3]}, extra {sorted(set(weights) - expected)[:3]}); "
+                             "resume with the same recipe or set loop.resume=never with a new loop.output_dir")
+        model.load_state_dict(weights, strict=False)
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        state = json.loads((ckpt / "state.json").read_text())
+        _set_rng_state(load_file(ckpt / "rng.safetensors"), state.pop("rng"))
+        state.pop("metrics", None)
+        self.state = LoopState(**state)
+        self.accelerator.print(f"resumed from {ckpt} at step {self.state.step}")
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def micro_batches(self):
+        """Endless stream of (epoch, index, batch) from the saved data position on."""
+        acc = self.accelerator
+        sampler = EpochSampler(len(self.dataset), self.cfg.batch_size, self.cfg.seed,
+                               acc.process_index, acc.num_processes)
+        epoch, start = self.state.epoch, self.state.micro_batch
+        while epoch < self.cfg.max_epochs:
+            for j, idx in sampler.batches(epoch, start):
+                batch = self.collate([self.dataset[i] for i in idx])
+                yield epoch, j + 1 == sampler.per_epoch, j, {k: v.to(acc.device) for k, v in batch.items()}
+            epoch, start = epoch + 1, 0
+
+    def run(self) -> LoopState:
+        cfg, acc = self.cfg, self.accelerator
+        stream = self.micro_batches()
+        window: dict[str, list[float]] = {}
+        tokens, t0 = 0, time.perf_counter()
+        self.method.train()
+        while self.state.step < cfg.max_steps:
+            metrics_step: dict[str, float] = {}
+            losses = []
+            for micro in range(cfg.grad_accum):
+                try:
+                    epoch, last_in_epoch, j, batch = next(stream)
+                except StopIteration:
+                    return self._finish("max_epochs reached")
+                sync = micro == cfg.grad_accum - 1
+                ctx = acc.no_sync(self.method) if not sync else contextlib.nullcontext()
+                with ctx, acc.autocast():
+                    loss, metrics = self.method(batch)
+                    acc.backward(loss / cfg.grad_accum)
+                losses.append(loss.detach())
+                for k, v in metrics.items():
+                    metrics_step[k] = metrics_step.get(k, 0.0) + float(v) / cfg.grad_accum
+                tokens += batch["input_ids"].numel() * acc.num_processes
+                self.state.epoch, self.state.micro_batch = (epoch + 1, 0) if last_in_epoch else (epoch, j + 1)
+            loss = acc.reduce(torch.stack(losses).mean(), "mean")
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                last = checkpoints(self.run_dir)
+                raise TrainingDiverged(f"loss is {loss.item()} at step {self.state.step + 1}; "
+                                       f"last good checkpoint: {last[-1] if last else 'none'}. "
+                                       "Lower loop.lr, raise loop.warmup_ratio or set loop.grad_clip")
+            if cfg.grad_clip > 0:
+                metrics_step["grad_norm"] = float(acc.clip_grad_norm_(self.method.parameters(), cfg.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.state.step += 1
+            window.setdefault("loss", []).append(loss.item())
+            for k, v in metrics_step.items():
+                window.setdefault(k, []).append(v)
+            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.max_steps:
+                dt = time.perf_counter() - t0
+                row = {k: sum(v) / len(v) for k, v in window.items()}
+                row.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / dt, epoch=self.state.epoch)
+                self.log(row)
+                window, tokens, t0 = {}, 0, time.perf_counter()
+            if self.state.step % cfg.save_every == 0 or self.state.step == cfg.max_steps:
+                stop = self.checkpoint()
+                if stop:
+                    return self._finish(f"early stop: no new best {cfg.best_metric} in "
+                                        f"{cfg.early_stop_patience} evaluations")
+                t0 = time.perf_counter()
+        return self._finish("max_steps reached")
+
+    def checkpoint(self) -> bool:
+        """Evaluate, save, and say whether early stopping is due."""
+        metrics = {}
+        if self.evaluate is not None:
+            self.method.eval()
+            t = time.perf_counter()
+            with torch.no_grad():
+                metrics = self.evaluate(self.unwrapped, self.state.step)
+            metrics["eval_seconds"] = time.perf_counter() - t
+            self.method.train()
+            self.log({f"eval/{k}": v for k, v in metrics.items()})
+        self.save(metrics)
+        p = self.cfg.early_stop_patience
+        return bool(p) and self.state.evals_since_best >= p
+
+    def _finish(self, why: str) -> LoopState:
+        if not (self.run_dir / f"checkpoint-{self.state.step}").exists():
+            self.checkpoint()
+        self.accelerator.print(f"done at step {self.state.step}: {why}")
+        self.accelerator.end_training()
+        return self.state
+
+    def log(self, row: dict) -> None:
+        row = {"step": self.state.step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}}
+        if self.accelerator.is_main_process:
+            with open(self.run_dir / "metrics.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            self.accelerator.print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in row.items()), flush=True)
+        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=self.state.step)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out

@@ -1,0 +1,52 @@
+"""KV-cache rollback after verification, for Hugging Face `DynamicCache` (transformers v5).
+
+After a verifying forward the cache holds the committed prefix followed by [root, nodes]. Only the
+root and the accepted path stay: for a chain that is a prefix of the new entries (a crop), for a
+tree an index-select. The decoder always builds its caches as `DynamicCache()` without a config,
+so every layer is a full `DynamicLayer`, also on models with sliding-window layers (Gemma, Mistral):
+the window is applied by the attention mask instead (see `tree.tree_attention_mask`), which keeps
+rollback exact where a truncated sliding-window cache could not be rolled back.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+def new_cache() -> DynamicCache:
+    """A cache of full layers that the decoder can roll back."""
+    return DynamicCache()
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(f"cannot roll back a {type(layer).__name__}; build the cache with "
+                            "draftsmith.decoding.cache.new_cache() (plain DynamicLayer per layer)")
+    return cache.layers
+
+
+def keep(cache: DynamicCache, start: int, kept: torch.Tensor | list[int]) -> None:
+    """Keep cache positions [0, start) and then start + kept (ascending); drop everything after.
+
+    A contiguous `kept` = [0, 1, ..., k-1] is a crop; anything else is an index-select.
+    """
+    kept = torch.as_tensor(kept, dtype=torch.long)  # [k]
+    for layer in _layers(cache):
+        if not layer.is_initialized:
+            continue
+        if torch.equal(kept, torch.arange(kept.numel())):
+            layer.crop(-(layer.get_seq_length() - start - kept.numel()))
+        else:
+            idx = torch.cat([torch.arange(start), start + kept]).to(layer.keys.device)  # [start+k]
+            layer.keys = layer.keys.index_select(-2, idx)  # [b, h, start+k, d]
+            layer.values = layer.values.index_select(-2, idx)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions."""
+    for layer in _layers(cache):
+        if layer.is_initialized and layer.get_seq_length() > length:
+            layer.crop(length - layer.get_seq_length())

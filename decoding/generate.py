@@ -1,0 +1,125 @@
+"""The decode loop: draft a tree, verify it in one target forward, commit, roll the cache back.
+
+    tokens, stats = speculative_generate(target, proposer, input_ids, max_new_tokens=64)
+
+Any Hugging Face causal LM works as the target: the tree is scored through the model's normal
+forward with a 4-D additive mask (a dict of masks per layer type for models with sliding-window
+layers) and explicit position ids. Batch size 1.
+
+Counting (the EAGLE / Medusa / Spec-Bench convention): the prompt's last token is not prefilled
+but fed as the root of the first verification, so every target forward after the prefill is a
+verification that commits `accepted + 1` tokens (the +1 is the bonus token). tau = new tokens /
+verification forwards; the prefill forward is counted in neither. A step cut short by EOS or
+max_new_tokens counts the tokens it actually committed, so plain decoding has tau = 1 exactly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftsmith.decoding import cache as kv
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
+from draftsmith.decoding.tree import position_ids, tree_attention_mask
+from draftsmith.decoding.verify import Sampling, verify
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def attention_masks(config, parents: torch.Tensor, cache_len: int, dtype: torch.dtype):
+    """The tree mask in the form the model's forward takes: one tensor, or a dict per layer type."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return {t: tree_attention_mask(parents, cache_len, dtype, window if t == "sliding_attention" else None)
+                for t in set(layer_types)}
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return tree_attention_mask(parents, cache_len, dtype, window)
+    return tree_attention_mask(parents, cache_len, dtype)
+
+
+def _eos_set(target, eos_token_id) -> set[int]:
+    eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+@torch.no_grad()
+def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
+                         sampling: Sampling | None = None, rule: str = "auto", eos_token_id=None,
+                         stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+    """Generate up to max_new_tokens after input_ids [1, L]; returns (tokens [1, L + new], stats).
+
+    Stops after the first EOS exactly where plain decoding would. `eos_token_id` (int or list)
+    defaults to the target's generation config.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
+    sampling = sampling or Sampling()
+    stats = stats or DecodeStats()
+    device, dtype = input_ids.device, target.dtype
+    eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
+    ids = input_ids[0]  # [t] committed tokens
+    start = _clock(device)
+    cache = kv.new_cache()
+    prefill = None
+    if ids.numel() > 1:
+        prefill = target(input_ids=ids[None, :-1], cache=cache, use_cache=True,
+                         output_hidden_states=bool(layers))
+    proposer.reset()
+    proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
+    new = 0
+    while new < max_new_tokens:
+        t0 = _clock(device)
+        tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1)
+        t1 = _clock(device)
+        cache_len = cache.get_seq_length()
+        tokens = torch.cat([ids[-1:], tree.tokens.to(device)])[None]  # [1, n+1]: root, nodes
+        out = target(input_ids=tokens, position_ids=position_ids(tree.parents, cache_len).to(device),
+                     attention_mask=attention_masks(target.config, tree.parents, cache_len, dtype),
+                     cache=cache, use_cache=True, output_hidden_states=bool(layers))
+        logits = out.logits[0]  # [n+1, V]
+        path, bonus = verify(tree, logits, sampling, rule)
+        kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
+        kv.keep(cache, cache_len, kept)
+        committed = tree.tokens[path].tolist() + [bonus]
+        for j, tok in enumerate(committed):
+            if tok in eos:
+                committed = committed[: j + 1]
+                break
+        committed = committed[: max_new_tokens - new]
+        t2 = _clock(device)
+        ids = torch.cat([ids, torch.tensor(committed, dtype=ids.dtype, device=device)])
+        new += len(committed)
+        offered = len(path) + int(bool((tree.parents == (path[-1] if path else -1)).any()))
+        stats.record(offered=offered, drafted=len(tree),
+                     accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
+        if committed[-1] in eos:
+            break
+        t3 = _clock(device)
+        hidden = _hidden(out, layers)
+        proposer.accept(ids, Verified(tree, path, logits, None if hidden is None else hidden[:, kept]))
+        stats.drafter_s += _clock(device) - t3
+    stats.wall_s += _clock(device) - start
+    stats.sequences += 1
+    return ids[None], stats
+
+
+def _hidden(out, layers: list[int]) -> torch.Tensor | None:
+    """Target hidden states [k, m, H] of the requested layers (indices into HF's hidden_states)."""
+    if out is None or not layers:
+        return None
+    return torch.stack([out.hidden_states[i][0] for i in layers])
+
+
+def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
+                   eos_token_id=None, stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+    """The target's own decoding (one token per forward) through the same loop: the speedup baseline."""
+    return speculative_generate(target, NoDraft(), input_ids, max_new_tokens, sampling, "auto", eos_token_id,
+                                stats)
+

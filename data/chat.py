@@ -1,22 +1,47 @@
 """Conversations -> token ids + loss mask, with the target tokenizer's own chat template.
 
-The loss mask covers assistant tokens only. Templates that mark assistant turns with
-`{% generation %}` are used through transformers' `return_assistant_tokens_mask`; for the
-others the conversation is rendered incrementally and each assistant turn is the text that
-its message adds after the generation prompt. No separator is ever hard-coded.
+The loss mask covers assistant tokens only: what the model itself generates in an assistant
+turn, i.e. the turn's content plus the template's end-of-turn token (`<|eot_id|>`,
+`<|im_end|>`, `</s>`, `<end_of_turn>`, ...). The end-of-turn token is trained because a drafter
+that cannot predict it drafts past the end of every answer; the role header before the content
+(the generation prompt) and the whitespace a template puts between turns after the end-of-turn
+token are not, because the target never generates them.
+
+Assistant text is located in the rendered conversation in one of two ways, never with a
+hard-coded separator:
+  * the template marks assistant turns with `{% generation %}...{% endgeneration %}`: the
+    marked character spans, as the template's author placed them;
+  * otherwise, incremental rendering: turn i is the text that rendering `messages[:i+1]` adds
+    to rendering `messages[:i]` with the generation prompt, minus whitespace after a trailing
+    special token. That requires each partial rendering to be a prefix of the full one; a
+    template that rewrites earlier turns once later turns follow (Qwen3 drops earlier turns'
+    `<think>` blocks, Mistral v0.3 moves the system prompt to the last user turn) raises
+    `TemplateMismatch` instead of producing a wrong mask.
+The full conversation is tokenized once; a token is trained when its characters overlap an
+assistant span.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from transformers.utils.chat_template_utils import render_jinja_template
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
                 "system": "system", "tool": "tool"}
 
 
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
 class NoAssistantTokens(ValueError):
     """An example whose loss mask would be all zeros."""
+
+
+class TemplateMismatch(ValueError):
+    """A chat template whose partial renderings are not prefixes of the full rendering."""
 
 
 def to_messages(example: dict[str, Any]) -> list[dict[str, str]] | None:
@@ -43,53 +68,91 @@ def to_messages(example: dict[str, Any]) -> list[dict[str, str]] | None:
     return messages
 
 
-def _has_generation_markers(tokenizer) -> bool:
-    template = tokenizer.chat_template or ""
-    return "{% generation %}" in template or "{%- generation %}" in template
+def has_generation_markers(template: str) -> bool:
+    """Whether a chat template marks assistant turns with `{% generation %}`."""
+    return GENERATION_TAG.search(template) is not None
 
 
-def _assistant_char_spans(tokenizer, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
-    """Character spans of assistant turns in `text`, found by incremental rendering."""
+def _special_tokens(tokenizer) -> list[str]:
+    """Strings of all special tokens, including added ones outside the special-tokens map."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted(set(added) | set(tokenizer.all_special_tokens), key=len, reverse=True)
+
+
+def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _marked_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and the character spans the template wraps in {% generation %}."""
+    rendered, spans = render_jinja_template(conversations=[messages], chat_template=tokenizer.get_chat_template(),
+                                            return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+    return rendered[0], [tuple(s) for s in spans[0]]
+
+
+def _incremental_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """Rendered text and assistant spans found by rendering the conversation turn by turn."""
+    text = _render(tokenizer, messages)
+    specials = _special_tokens(tokenizer)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1])
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise ValueError("the chat template renders earlier turns differently once later turns follow, so "
-                             "assistant tokens cannot be located; add {% generation %} markers to the template")
-        spans.append((len(before), len(upto)))
-    return spans
+            raise TemplateMismatch(
+                f"the chat template renders the conversation up to message {i} (assistant) differently once later "
+                "turns follow (e.g. it strips earlier <think> blocks or moves the system prompt), so assistant tokens "
+                "cannot be located; add {% generation %}...{% endgeneration %} around assistant content in the "
+                "template, or train on single-turn examples")
+        start, end = len(before), len(upto)
+        turn = text[start:end].rstrip()
+        if any(turn.endswith(s) for s in specials):  # whitespace after the end-of-turn token is formatting
+            end = start + len(turn)
+        spans.append((start, end))
+    return text, spans
+
+
+def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for every token whose characters overlap a span (zero-width tokens: that start inside one)."""
+    mask = []
+    for s, e in offsets:
+        if e > s:
+            mask.append(int(any(s < b and e > a for a, b in spans)))
+        else:
+            mask.append(int(any(a <= s < b for a, b in spans)))
+    return mask
 
 
 def tokenize_messages(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:
-    """Render `messages` with the tokenizer's chat template.
+    """Render `messages` with the tokenizer's chat template and mark the assistant tokens.
 
     Returns:
         {"input_ids": [s], "loss_mask": [s]} with loss_mask 1 exactly on assistant tokens.
     Raises:
         NoAssistantTokens: when no token would be trained on.
+        TemplateMismatch: when the template has no generation markers and rewrites earlier turns.
     """
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template; set tokenizer.chat_template or use plain `text` data")
-    if _has_generation_markers(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        input_ids, loss_mask = list(out["input_ids"]), list(out["assistant_masks"])
+    if has_generation_markers(tokenizer.get_chat_template()):
+        text, spans = _marked_spans(tokenizer, messages)
     else:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        spans = _assistant_char_spans(tokenizer, messages, text)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = list(enc["input_ids"])
-        loss_mask = [int(any(a <= s and e <= b and e > s for a, b in spans)) for s, e in enc["offset_mapping"]]
+        text, spans = _incremental_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = mask_from_spans(enc["offset_mapping"], spans)
     if not any(loss_mask):
         raise NoAssistantTokens("example has no assistant token to train on")
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+    return {"input_ids": list(enc["input_ids"]), "loss_mask": loss_mask}
 
 
 def tokenize_example(tokenizer, example: dict[str, Any]) -> dict[str, list[int]]:
-    """One dataset example (messages, conversations or text) -> input_ids + loss_mask."""
+    """One dataset example (messages, conversations or text) -> input_ids + loss_mask.
+
+    Plain text is trained on every token, with BOS/EOS as the tokenizer adds them and an EOS
+    appended when it does not.
+    """
     messages = to_messages(example)
     if messages is None:
         ids = tokenizer(example["text"], add_special_tokens=True)["input_ids"]

@@ -1,0 +1,252 @@
+"""Training data: load, tokenize with the target's chat template, cut to length, pack, cache.
+
+`build_dataset(cfg, tokenizer)` returns a `datasets.Dataset` with `input_ids` and `loss_mask`
+(plus `position_ids` when packed) from
+  * a local file (`.json`, `.jsonl`, `.parquet`, `.arrow`), a directory written by
+    `Dataset.save_to_disk`, a directory of data files, or a hub dataset name;
+  * by default (no path) the reference target's chat examples (`data/reference.py`), so that
+    recipes run offline.
+Rows may be OpenAI `messages`, ShareGPT `conversations` or plain `text` (see `data/chat.py`).
+
+Over-long examples are truncated to their first `max_length` tokens or dropped; an example
+with no assistant token left is an error by default (a count and the first offending row), or
+dropped. The result is cached with `save_to_disk` under a key that hashes the tokenizer, the
+chat template, the data and the config fields that change the output, and reused on a hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+
+from draftsmith.data.chat import NoAssistantTokens, tokenize_example
+from draftsmith.data.packing import pack
+from draftsmith.train.config import ConfigError
+
+log = logging.getLogger("draftsmith.data")
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+DEFAULT_CACHE = Path.home() / ".cache" / "draftsmith" / "datasets"
+# The pipeline's own code is part of the cache key: a change to it invalidates old caches.
+PIPELINE_FILES = [Path(__file__), Path(__file__).with_name("chat.py"), Path(__file__).with_name("packing.py")]
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the training conversations come from and how they become rows."""
+
+    path: str = ""  # hub name, local file (json/jsonl/parquet/arrow) or directory; empty: reference chat examples
+    split: str = "train"  # for the reference examples: "train" or "heldout"
+    revision: str = ""  # hub revision (a commit pins the data for the cache key)
+    max_length: int = 2048  # tokens per example, and per row when packed
+    overlong: Literal["truncate", "drop"] = "truncate"
+    on_no_assistant: Literal["error", "drop"] = "error"
+    pack: bool = False
+    num_proc: int = 1
+    cache: bool = True
+    cache_dir: str = ""  # empty: ~/.cache/draftsmith/datasets
+    limit: int = 0  # first examples only; 0: all
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ConfigError("data.max_length: must be >= 2")
+        if self.num_proc < 1:
+            raise ConfigError("data.num_proc: must be >= 1")
+        if self.limit < 0:
+            raise ConfigError("data.limit: must be >= 0 (0: all examples)")
+        if not self.path and self.split not in ("train", "heldout"):
+            raise ConfigError(f"data.split: the reference examples have splits 'train' and 'heldout', not "
+                              f"{self.split!r}")
+
+
+@dataclasses.dataclass
+class DataStats:
+    """What happened to the examples on their way to rows."""
+
+    read: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    no_assistant: int = 0  # dropped (or the error) for having no assistant token, after truncation
+    kept: int = 0
+    rows: int = 0
+    tokens: int = 0  # in rows, padding excluded
+    trained_tokens: int = 0  # loss_mask ones
+
+    def summary(self) -> str:
+        return (f"read {self.read} examples: truncated {self.truncated}, dropped {self.dropped_overlong} over-long, "
+                f"dropped {self.no_assistant} without assistant tokens; kept {self.kept} -> {self.rows} rows, "
+                f"{self.tokens} tokens, {self.trained_tokens} trained")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _local_kind(path: Path) -> str:
+    """'file:<builder>', 'saved' (save_to_disk) or 'files' (a directory of data files)."""
+    if path.is_dir():
+        return "saved" if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
+            else "files"
+    builder = LOCAL_FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"data.path {path}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)}")
+    return f"file:{builder}"
+
+
+def load_raw(cfg: DataConfig) -> datasets.Dataset:
+    """The examples as they are stored (messages / conversations / text columns), before tokenizing."""
+    if not cfg.path:
+        from draftsmith.data.reference import chat_examples, stdlib_files
+
+        rows = [ex for f in stdlib_files() if f.split == cfg.split for ex in chat_examples(f)]
+        ds = datasets.Dataset.from_list(rows)
+    else:
+        path = Path(cfg.path).expanduser()
+        if path.exists():
+            kind = _local_kind(path)
+            if kind == "saved":
+                ds = datasets.load_from_disk(str(path))
+                if isinstance(ds, datasets.DatasetDict):
+                    if cfg.split not in ds:
+                        raise ValueError(f"data.split {cfg.split!r} not in {path}; it has {sorted(ds)}")
+                    ds = ds[cfg.split]
+            elif kind == "files":
+                ds = datasets.load_dataset(str(path), split=cfg.split)
+            else:
+                ds = datasets.load_dataset(kind.split(":")[1], data_files=str(path), split="train")
+        elif path.suffix.lower() in LOCAL_FORMATS or cfg.path.startswith((".", "/", "~")):
+            raise ValueError(f"data.path {cfg.path} does not exist; give an existing file or directory, or a hub "
+                             "dataset name")
+        else:
+            ds = datasets.load_dataset(cfg.path, split=cfg.split, revision=cfg.revision or None)
+    if cfg.limit:
+        ds = ds.select(range(min(cfg.limit, len(ds))))
+    return ds
+
+
+def _data_key(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the data itself: file hashes, the hub name + revision, or the stdlib corpus."""
+    if not cfg.path:
+        from draftsmith.data.reference import corpus_fingerprint, stdlib_files
+
+        return {"reference": corpus_fingerprint(stdlib_files()), "split": cfg.split}
+    path = Path(cfg.path).expanduser()
+    if path.is_file():
+        return {"file": _sha256_file(path)}
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return {"dir": {p.relative_to(path).as_posix(): _sha256_file(p) for p in files}, "split": cfg.split}
+    return {"hub": cfg.path, "revision": cfg.revision, "split": cfg.split}
+
+
+def _tokenizer_key(tokenizer) -> str:
+    """Hash of the vocabulary/merges, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None
+             else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps({"special": tokenizer.special_tokens_map, "template": tokenizer.chat_template,
+                         "class": type(tokenizer).__name__}, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, tokenizer) -> str:
+    """sha256 over tokenizer, template, data, pipeline code and the output-relevant config fields."""
+    fields = {k: getattr(cfg, k) for k in ("max_length", "overlong", "on_no_assistant", "pack", "limit")}
+    code = [hashlib.sha256(p.read_bytes()).hexdigest() for p in PIPELINE_FILES]
+    blob = json.dumps({"tokenizer": _tokenizer_key(tokenizer), "data": _data_key(cfg), "config": fields,
+                       "code": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _tokenize_one(example: dict[str, Any], tokenizer, max_length: int, overlong: str) -> dict[str, Any]:
+    """Tokenize, then truncate or drop; `status` says what happened."""
+    try:
+        out = tokenize_example(tokenizer, example)
+    except NoAssistantTokens:
+        return {"input_ids": [], "loss_mask": [], "status": "no_assistant"}
+    status = "ok"
+    if len(out["input_ids"]) > max_length:
+        if overlong == "drop":
+            return {"input_ids": [], "loss_mask": [], "status": "overlong"}
+        out = {k: v[:max_length] for k, v in out.items()}
+        status = "no_assistant" if not any(out["loss_mask"]) else "truncated"
+    return {**out, "status": status}
+
+
+def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
+    """Tokenize, cut to length, check assistant tokens and optionally pack `raw`."""
+    tokenized = raw.map(_tokenize_one, fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
+                                                  "overlong": cfg.overlong},
+                        remove_columns=raw.column_names, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                        keep_in_memory=True, new_fingerprint=uuid.uuid4().hex, desc="tokenizing")
+    status = tokenized["status"]
+    stats = DataStats(read=len(raw), truncated=status.count("truncated"), dropped_overlong=status.count("overlong"),
+                      no_assistant=status.count("no_assistant"))
+    if stats.no_assistant and cfg.on_no_assistant == "error":
+        first = status.index("no_assistant")
+        raise NoAssistantTokens(
+            f"{stats.no_assistant} of {stats.read} examples have no assistant token to train on (first: row {first}: "
+            f"{_describe(raw[first])}), counting those whose assistant turns lie beyond max_length={cfg.max_length}; "
+            "fix the data, raise data.max_length, or set data.on_no_assistant=drop to skip them")
+    keep = [i for i, s in enumerate(status) if s in ("ok", "truncated")]
+    ds = tokenized.select(keep).remove_columns("status")
+    stats.kept = len(ds)
+    stats.tokens = sum(map(len, ds["input_ids"]))
+    if cfg.pack and len(ds):
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise ValueError("packing needs a pad or EOS token id; set tokenizer.pad_token")
+        rows = pack(ds.to_list(), cfg.max_length, pad_id)
+        ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask", "position_ids")})
+    stats.rows = len(ds)
+    stats.trained_tokens = sum(map(sum, ds["loss_mask"]))
+    return ds, stats
+
+
+def _describe(example: dict[str, Any]) -> str:
+    """A short, one-line view of an example for error messages."""
+    text = json.dumps({k: v for k, v in example.items() if k in ("messages", "conversations", "text")},
+                      ensure_ascii=False)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
+    """`build_dataset` plus the counts of what was read, truncated and dropped."""
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE
+    final = root / cache_key(cfg, tokenizer) if cfg.cache else None
+    if final is not None and (final / "stats.json").is_file():
+        stats = DataStats(**json.loads((final / "stats.json").read_text()))
+        log.info("data: cache hit %s: %s", final, stats.summary())
+        return datasets.load_from_disk(str(final)), stats
+    ds, stats = tokenize_dataset(load_raw(cfg), cfg, tokenizer)
+    log.info("data: %s", stats.summary())
+    if final is None:
+        return ds, stats
+    tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    ds.save_to_disk(str(tmp))
+    (tmp / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
+    try:
+        os.rename(tmp, final)  # atomic: readers see a complete cache or none
+    except OSError:  # another process wrote the same key first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("data: cached at %s", final)
+    return datasets.load_from_disk(str(final)), stats
+
+
+def build_dataset(cfg: DataConfig, tokenizer) -> datasets.Dataset:
+    """Rows of `input_ids` and `loss_mask` (+ `position_ids` when packed), cached on disk."""
+    return prepare(cfg, tokenizer)[0]

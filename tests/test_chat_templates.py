@@ -1,0 +1,201 @@
+"""The assistant-only loss mask, token by token, on the real chat templates of four model families.
+
+The templates in tests/fixtures/chat_templates/ are the published Jinja templates (see the
+README there); the tokenizers are tiny byte-level BPEs trained here with each family's special
+tokens, so that decoding is exact and every check is about the template and the mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from draftsmith.data.chat import (
+    NoAssistantTokens,
+    TemplateMismatch,
+    has_generation_markers,
+    to_messages,
+    tokenize_example,
+    tokenize_messages,
+)
+from draftsmith.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+
+SYSTEM = "You are a careful Python assistant."
+TURNS = [("What does add do?", "def add(a, b):\n    return a + b"),
+         ("And sub? Show it.", "def sub(a, b):\n    \"\"\"a minus b\"\"\"\n    return a - b"),
+         ("Thanks!", "You're welcome.")]
+SENTENCES = [SYSTEM] + [t for pair in TURNS for t in pair] + ["Cutting Knowledge Date: December 2023 Today Jul"]
+
+
+@dataclass
+class Family:
+    template: str  # fixture file
+    specials: list[str]
+    bos: str | None
+    eos: str
+    turn_prefix: str  # text the template's assistant turn puts before the content, after the generation prompt
+    end_of_turn: str  # the trained token that ends an assistant turn
+    system: bool = True  # conversation starts with a system message
+
+
+FAMILIES = {
+    "llama-3.1": Family("llama-3.1-instruct.jinja", ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                                                     "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"],
+                        "<|begin_of_text|>", "<|eot_id|>", "", "<|eot_id|>"),
+    "qwen2.5": Family("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                      None, "<|im_end|>", "", "<|im_end|>"),
+    # Mistral v0.3 moves the system prompt into the last user turn, so its conversations have none here
+    # (test_rewriting_templates_raise covers the system prompt).
+    "mistral-v0.3": Family("mistral-7b-instruct-v0.3.jinja", ["<s>", "</s>", "[INST]", "[/INST]"],
+                           "<s>", "</s>", " ", "</s>", system=False),
+    "gemma-3": Family("gemma-3-it.jinja", ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
+                      "<bos>", "<eos>", "", "<end_of_turn>"),
+}
+
+
+def tiny_tokenizer(specials: list[str], bos: str | None, eos: str, template: str,
+                   trim_offsets: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (exact decoding) with the given special tokens and chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if trim_offsets:  # GPT-2 style: whitespace tokens get zero-width offsets
+        tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(SENTENCES * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos,
+                                   additional_special_tokens=[s for s in specials if s not in (bos, eos)],
+                                   chat_template=template)
+
+
+def family_tokenizer(name: str, template: str | None = None, trim_offsets: bool = False):
+    f = FAMILIES[name]
+    return tiny_tokenizer(f.specials, f.bos, f.eos, template or (FIXTURES / f.template).read_text(), trim_offsets)
+
+
+def conversation(system: bool = True, turns=TURNS) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": SYSTEM}] if system else []
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return messages
+
+
+def runs(ids: list[int], mask: list[int], value: int) -> list[list[int]]:
+    """Maximal runs of consecutive tokens whose mask equals `value`."""
+    out, current = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m == value:
+            current.append(i)
+        elif current:
+            out.append(current)
+            current = []
+    return out + [current] if current else out
+
+
+def check_mask(tokenizer, messages, expected_turns: list[str]) -> None:
+    """Masked tokens decode exactly to the expected assistant turns, one run per turn; nothing else is masked."""
+    out = tokenize_messages(tokenizer, messages)
+    ids, mask = out["input_ids"], out["loss_mask"]
+    assert len(ids) == len(mask) and set(mask) <= {0, 1}
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(ids) == text
+    assert [tokenizer.decode(r) for r in runs(ids, mask, 1)] == expected_turns
+    rest = text
+    for turn in expected_turns:
+        assert turn in rest
+        rest = rest.replace(turn, "", 1)
+    assert "".join(tokenizer.decode(r) for r in runs(ids, mask, 0)) == rest
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("trim_offsets", [False, True], ids=["offsets", "trimmed-offsets"])
+def test_mask_token_by_token(name, trim_offsets):
+    f = FAMILIES[name]
+    tokenizer = family_tokenizer(name, trim_offsets=trim_offsets)
+    assert not has_generation_markers(tokenizer.chat_template)  # the fallback path: incremental rendering
+    expected = [f.turn_prefix + answer + f.end_of_turn for _, answer in TURNS]
+    check_mask(tokenizer, conversation(system=f.system), expected)
+
+
+QWEN_ASSISTANT_LINE = (
+    "{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}")
+QWEN_WITH_MARKERS = (
+    "{%- if message.role == \"assistant\" and not message.tool_calls %}\n"
+    "        {{- '<|im_start|>assistant\\n' }}{% generation %}{{- message.content + '<|im_end|>' }}"
+    "{% endgeneration %}{{- '\\n' }}\n"
+    "    {%- elif (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}")
+
+
+def qwen_template_with_markers() -> str:
+    template = (FIXTURES / "qwen2.5-instruct.jinja").read_text()
+    assert QWEN_ASSISTANT_LINE in template
+    return template.replace(QWEN_ASSISTANT_LINE, QWEN_WITH_MARKERS)
+
+
+@pytest.mark.parametrize("trim_offsets", [False, True], ids=["offsets", "trimmed-offsets"])
+def test_generation_markers_qwen(trim_offsets):
+    tokenizer = family_tokenizer("qwen2.5", qwen_template_with_markers(), trim_offsets)
+    assert has_generation_markers(tokenizer.chat_template)
+    check_mask(tokenizer, conversation(), [answer + "<|im_end|>" for _, answer in TURNS])
+
+
+def test_generation_markers_reference_template():
+    tokenizer = tiny_tokenizer(SPECIAL_TOKENS, None, "<|endoftext|>", CHAT_TEMPLATE)
+    assert has_generation_markers(tokenizer.chat_template)
+    check_mask(tokenizer, conversation(), [answer + "<|end|>" for _, answer in TURNS])
+
+
+@pytest.mark.parametrize("marked, unmarked", [
+    (qwen_template_with_markers(), (FIXTURES / "qwen2.5-instruct.jinja").read_text()),
+    (CHAT_TEMPLATE, CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")),
+], ids=["qwen2.5", "reference"])
+def test_markers_and_fallback_agree(marked, unmarked):
+    specials = FAMILIES["qwen2.5"].specials + SPECIAL_TOKENS
+    a = tokenize_messages(tiny_tokenizer(specials, None, "<|endoftext|>", marked), conversation())
+    b = tokenize_messages(tiny_tokenizer(specials, None, "<|endoftext|>", unmarked), conversation())
+    assert a == b
+
+
+def test_rewriting_templates_raise():
+    qwen3 = family_tokenizer("qwen2.5", (FIXTURES / "qwen3.jinja").read_text())
+    # Qwen3 renders the last assistant turn with a <think> block and strips it from earlier ones.
+    check_mask(qwen3, conversation(turns=TURNS[:1]), ["<think>\n\n</think>\n\n" + TURNS[0][1] + "<|im_end|>"])
+    with pytest.raises(TemplateMismatch, match="up to message 2 \\(assistant\\) differently"):
+        tokenize_messages(qwen3, conversation(turns=TURNS[:2]))
+    # Mistral v0.3 puts the system prompt into the last user turn only.
+    mistral = family_tokenizer("mistral-v0.3")
+    with pytest.raises(TemplateMismatch, match="generation %}"):
+        tokenize_messages(mistral, conversation(system=True))
+
+
+def test_no_assistant_tokens_is_an_error():
+    tokenizer = family_tokenizer("llama-3.1")
+    with pytest.raises(NoAssistantTokens, match="no assistant token"):
+        tokenize_messages(tokenizer, [{"role": "user", "content": "hello"}])
+
+
+def test_formats_normalise_to_messages():
+    messages = conversation()
+    sharegpt = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                   "value": m["content"]} for m in messages]}
+    assert to_messages(sharegpt) == messages
+    assert to_messages({"messages": messages}) == messages
+    assert to_messages({"text": "plain"}) is None
+    with pytest.raises(ValueError, match="unknown chat role 'narrator'"):
+        to_messages({"messages": [{"role": "narrator", "content": "x"}]})
+    with pytest.raises(ValueError, match="none of 'messages', 'conversations', 'text'"):
+        to_messages({"prompt": "x"})
+    tokenizer = family_tokenizer("gemma-3")
+    assert tokenize_example(tokenizer, sharegpt) == tokenize_messages(tokenizer, messages)
+    text = tokenize_example(tokenizer, {"text": "def add(a, b):"})
+    assert text["input_ids"][-1] == tokenizer.eos_token_id and all(text["loss_mask"])

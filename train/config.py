@@ -100,7 +100,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
-            return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+            return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
         item = args[0] if args else Any
         return origin(_coerce(v, item, key) for v in value)
     if origin is dict or tp is dict:

@@ -60,6 +60,7 @@ class Recipe:
     data: Data = dataclasses.field(default_factory=Data)
     loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     publish_to: str = ""  # copy the best checkpoint here, with a model card and benchmark figures
+    benchmark_out: str = "benchmarks/reference_target.json"
 
 
 def raw_rows(tokenizer, texts: list[str], seq_len: int) -> list[dict]:
@@ -77,19 +78,23 @@ def chat_rows(tokenizer, files, seq_len: int) -> list[dict]:
     return pack([e for e in examples if len(e["input_ids"]) <= seq_len], seq_len, tokenizer.pad_token_id)
 
 
+def heldout_rows(tokenizer, files, seq_len: int, limit: int = 0) -> dict[str, list[dict]]:
+    """Held-out rows by kind; with `limit`, a fixed proportionate selection of about that many."""
+    held = [f for f in files if f.split == "heldout"]
+    rows = {"raw": raw_rows(tokenizer, [f.text for f in held], seq_len), "chat": chat_rows(tokenizer, held, seq_len)}
+    if limit:
+        keep = limit / sum(map(len, rows.values()))
+        rows = {k: random.Random(i).sample(v, max(1, round(keep * len(v)))) for i, (k, v) in enumerate(rows.items())}
+    return rows
+
+
 def build_data(cfg: Recipe):
     files = stdlib_files()
     train_files = [f for f in files if f.split == "train"]
-    heldout_files = [f for f in files if f.split == "heldout"]
     tokenizer = train_bpe((f.text for f in train_files), cfg.model.vocab_size)
     L = cfg.data.seq_len
     train = raw_rows(tokenizer, [f.text for f in train_files], L) + chat_rows(tokenizer, train_files, L)
-    raw_h, chat_h = raw_rows(tokenizer, [f.text for f in heldout_files], L), chat_rows(tokenizer, heldout_files, L)
-    if cfg.data.heldout_rows:  # a fixed, proportionate selection of both kinds
-        keep = cfg.data.heldout_rows / (len(raw_h) + len(chat_h))
-        raw_h = random.Random(0).sample(raw_h, max(1, round(keep * len(raw_h))))
-        chat_h = random.Random(1).sample(chat_h, max(1, round(keep * len(chat_h))))
-    return tokenizer, files, train, {"raw": raw_h, "chat": chat_h}
+    return tokenizer, files, train, heldout_rows(tokenizer, files, L, cfg.data.heldout_rows)
 
 
 def heldout_loss(model, rows_by_kind: dict[str, list[dict]], batch_size: int = 16) -> dict[str, float]:
@@ -110,7 +115,20 @@ def heldout_loss(model, rows_by_kind: dict[str, list[dict]], batch_size: int = 1
     return out
 
 
-def publish(cfg: Recipe, run_dir: Path, fingerprint: dict, train_tokens: int, tokens_per_s: float) -> dict:
+def measure(model_dir: str | Path, seq_len: int = 512) -> dict:
+    """Held-out loss of a published target over ALL held-out rows, and its corpus fingerprint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    files = stdlib_files()
+    with torch.no_grad():
+        losses = heldout_loss(model, heldout_rows(tokenizer, files, seq_len))
+    return {"params": sum(p.numel() for p in model.parameters()),
+            **{k: round(v, 4) for k, v in losses.items()}, **corpus_fingerprint(files)}
+
+
+def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) -> dict:
     """Copy best/ to cfg.publish_to with a model card; write benchmarks/reference_target.json."""
     best = json.loads((run_dir / "best" / "best.json").read_text())
     dest = Path(cfg.publish_to)
@@ -118,23 +136,18 @@ def publish(cfg: Recipe, run_dir: Path, fingerprint: dict, train_tokens: int, to
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(run_dir / "best", tmp)
     (tmp / "best.json").unlink()
-    model = LlamaForCausalLM.from_pretrained(tmp)
-    params = sum(p.numel() for p in model.parameters())
     tokens_per_step = cfg.loop.batch_size * cfg.loop.grad_accum * cfg.data.seq_len
-    figures = {"params": params, "tokens_seen": best["step"] * tokens_per_step,
-               "heldout_loss": round(best["heldout_loss"], 4),
-               "heldout_raw_loss": round(best["heldout_raw_loss"], 4),
-               "heldout_chat_loss": round(best["heldout_chat_loss"], 4),
+    figures = {**measure(tmp, cfg.data.seq_len), "tokens_seen": best["step"] * tokens_per_step,
                "best_step": best["step"], "train_tokens_per_epoch": train_tokens,
                "train_tokens_per_s": round(tokens_per_s, 1),
                "path": str(dest.resolve().relative_to(REPO)) if dest.resolve().is_relative_to(REPO) else str(dest),
-               **fingerprint, "command": (run_dir / "command.txt").read_text().strip()}
+               "command": (run_dir / "command.txt").read_text().strip()}
     (tmp / "README.md").write_text(MODEL_CARD.format(**figures, layers=cfg.model.num_layers,
                                                      hidden=cfg.model.hidden_size, vocab=cfg.model.vocab_size))
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    bench = REPO / "benchmarks" / "reference_target.json"
-    bench.parent.mkdir(exist_ok=True)
+    bench = Path(cfg.benchmark_out)
+    bench.parent.mkdir(parents=True, exist_ok=True)
     bench.write_text(json.dumps(figures, indent=2) + "\n")
     return figures
 
@@ -150,7 +163,7 @@ lengths measured offline mean something.
 |---|---|
 | parameters | {params:,} ({layers} layers, hidden {hidden}, GQA, untied LM head, vocab {vocab}) |
 | tokens seen | {tokens_seen:,} (best step {best_step}) |
-| held-out loss | {heldout_loss} nats/token (raw files {heldout_raw_loss}, chat answers {heldout_chat_loss}) |
+| held-out loss | {heldout_loss} nats/token over all held-out rows (raw files {heldout_raw_loss}, chat answers {heldout_chat_loss}) |
 | training throughput | {train_tokens_per_s} tokens/s |
 
 Reproduce: `{command}`
@@ -187,8 +200,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         rows = [json.loads(line) for line in open(loop.run_dir / "metrics.jsonl")]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
         write_heldout_prompts(files)
-        figures = publish(cfg, loop.run_dir, corpus_fingerprint(files), len(train) * cfg.data.seq_len,
-                          sum(speeds) / max(1, len(speeds)))
+        figures = publish(cfg, loop.run_dir, len(train) * cfg.data.seq_len, sum(speeds) / max(1, len(speeds)))
         print(json.dumps(figures, indent=2))
         return figures
     return None

@@ -1,0 +1,152 @@
+"""The shared training loop: exact resume, atomic checkpoints, best keeping, divergence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.models.lm import CausalLM
+from draftsmith.train.config import LoopConfig
+from draftsmith.train.loop import EpochSampler, Loop, TrainingDiverged, checkpoints
+
+
+class Recorder:
+    """A dataset that records which rows are read, and can crash after a number of reads."""
+
+    def __init__(self, n: int = 20, seq: int = 12, vocab: int = 64, crash_after: int | None = None):
+        g = torch.Generator().manual_seed(0)
+        self.rows = [{"input_ids": torch.randint(0, vocab, (seq,), generator=g).tolist(), "loss_mask": [1] * seq}
+                     for _ in range(n)]
+        self.seen: list[int] = []
+        self.crash_after = crash_after
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if self.crash_after is not None and len(self.seen) >= self.crash_after:
+            raise KeyboardInterrupt("simulated kill")
+        self.seen.append(i)
+        return self.rows[i]
+
+
+def tiny_method(seed: int = 0) -> CausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
+    return CausalLM(LlamaForCausalLM(cfg))
+
+
+def loop_cfg(out, **kw) -> LoopConfig:
+    base = dict(output_dir=str(out), max_steps=8, batch_size=3, grad_accum=2, lr=1e-2, save_every=4, keep_last=5,
+                log_every=1, warmup_ratio=0.25)
+    return LoopConfig(**{**base, **kw})
+
+
+def final_weights(run_dir, step):
+    return load_file(run_dir / f"checkpoint-{step}" / "trainable.safetensors")
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_from_a_middle_checkpoint_is_bitwise_exact(tmp_path):
+    # 20 rows, 3 per micro-batch, 2 micro-batches per step: epochs end mid-step, so the data position matters.
+    straight = Recorder()
+    Loop(loop_cfg(tmp_path / "a"), tiny_method(), straight).run()
+
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4")
+    resumed = Recorder()
+    Loop(loop_cfg(tmp_path / "b"), tiny_method(seed=123), resumed).run()  # other init: weights come from the checkpoint
+
+    assert_bitwise_equal(final_weights(tmp_path / "a", 8), final_weights(tmp_path / "b", 8))
+    half = len(straight.seen) // 2
+    assert resumed.seen == straight.seen[half:], "resumed run must see exactly the examples after the checkpoint"
+
+
+def test_kill_and_resume_sees_no_example_twice(tmp_path):
+    straight = Recorder()
+    Loop(loop_cfg(tmp_path / "a"), tiny_method(), straight).run()
+
+    crashing = Recorder(crash_after=len(straight.seen) * 5 // 8)  # dies during step 6, after checkpoint-4
+    with pytest.raises(KeyboardInterrupt):
+        Loop(loop_cfg(tmp_path / "b"), tiny_method(), crashing).run()
+    assert [p.name for p in checkpoints(tmp_path / "b")] == ["checkpoint-4"]
+    again = Recorder()
+    Loop(loop_cfg(tmp_path / "b"), tiny_method(), again).run()
+
+    assert_bitwise_equal(final_weights(tmp_path / "a", 8), final_weights(tmp_path / "b", 8))
+    assert again.seen == straight.seen[len(straight.seen) // 2:]
+    state = json.loads((tmp_path / "b" / "checkpoint-8" / "state.json").read_text())
+    assert state["step"] == 8
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    Loop(loop_cfg(tmp_path, max_steps=4), tiny_method(), Recorder()).run()
+    (tmp_path / "checkpoint-6.tmp").mkdir()  # a crash while writing leaves only a .tmp directory
+    loop = Loop(loop_cfg(tmp_path, max_steps=4), tiny_method(), Recorder())
+    assert loop.state.step == 4
+
+
+def test_best_checkpoint_and_early_stop(tmp_path):
+    scores = iter([1.0, 3.0, 2.0, 2.5, 9.0])
+    loop = Loop(loop_cfg(tmp_path, max_steps=40, save_every=2, best_metric="tau", early_stop_patience=2),
+                tiny_method(), Recorder(), evaluate=lambda m, step: {"tau": next(scores)})
+    state = loop.run()
+    assert state.step == 8, "two evaluations without a new best stop the run"
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert best["step"] == 4 and best["tau"] == 3.0
+    assert (tmp_path / "best" / "model.safetensors").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/tau"] for r in rows if "eval/tau" in r] == [1.0, 3.0, 2.0, 2.5]
+
+
+class Diverging(CausalLM):
+    def forward(self, batch):
+        loss, metrics = super().forward(batch)
+        return (loss * float("nan") if self.calls_left == 0 else loss), metrics
+
+    def __call__(self, batch):
+        self.calls_left -= 1
+        return super().__call__(batch)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    method = tiny_method()
+    method.__class__ = Diverging
+    method.calls_left = 2 * 5  # micro-batches until the NaN: step 5 diverges
+    with pytest.raises(TrainingDiverged, match="step 5.*checkpoint-4"):
+        Loop(loop_cfg(tmp_path), method, Recorder()).run()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint-4"]
+    assert load_file(tmp_path / "checkpoint-4" / "trainable.safetensors")
+
+
+def test_resume_refuses_a_checkpoint_of_another_method(tmp_path):
+    Loop(loop_cfg(tmp_path, max_steps=4), tiny_method(), Recorder()).run()
+    other = tiny_method()
+    other.model.lm_head.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="does not match this method's trainable parameters"):
+        Loop(loop_cfg(tmp_path, max_steps=4), other, Recorder())
+
+
+def test_frozen_parameters_are_not_checkpointed(tmp_path):
+    method = tiny_method()
+    for p in method.model.model.parameters():
+        p.requires_grad_(False)
+    Loop(loop_cfg(tmp_path, max_steps=4), method, Recorder()).run()
+    assert set(final_weights(tmp_path, 4)) == {"model.lm_head.weight"}
+
+
+def test_sampler_shards_one_global_batch_across_ranks():
+    one = [idx for _, idx in EpochSampler(24, 4, seed=3).batches(0, 0)]
+    ranks = [[idx for _, idx in EpochSampler(24, 2, seed=3, rank=r, world=2).batches(0, 0)] for r in range(2)]
+    assert [a + b for a, b in zip(*ranks, strict=True)] == one

@@ -111,7 +111,12 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
     if not cfg.path:
         from draftsmith.data.reference import chat_examples, stdlib_files
 
-        rows = [ex for f in stdlib_files() if f.split == cfg.split for ex in chat_examples(f)]
+        rows = []
+        for f in stdlib_files():
+            if f.split == cfg.split:
+                rows += chat_examples(f)
+                if cfg.limit and len(rows) >= cfg.limit:
+                    break
         ds = datasets.Dataset.from_list(rows)
     else:
         path = Path(cfg.path).expanduser()

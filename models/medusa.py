@@ -274,7 +274,7 @@ class MedusaDrafter:
 
     target: Target
     heads: MedusaHeads
-    method: str = "medusa1"
+    source: str = "medusa1"  # medusa1 / medusa2 for a project checkpoint, else the export format read
 
 
 def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dtype = torch.float32) -> MedusaDrafter:

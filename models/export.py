@@ -1,0 +1,97 @@
+"""The export registry: (method, format) -> writer + loader, and the atomic, no-clobber directory write.
+
+A drafter checkpoint (a run's `best/` or a checkpoint's `model/`) names its method in
+`drafter.json`. Each method's module registers its formats here; `export` writes into a
+temporary sibling of `out` and renames it into place only once the writer has finished, so an
+interrupted export never leaves a partial directory. A non-empty `out` is refused unless
+`overwrite`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# module that registers the formats of each method, imported on first use
+PROVIDERS = {"medusa1": "draftsmith.models.medusa_export", "medusa2": "draftsmith.models.medusa_export"}
+
+
+@dataclass(frozen=True)
+class Format:
+    """write(drafter_dir, tmp_dir, final_dir) fills tmp_dir; load(dir) reads the format back."""
+
+    write: Callable[[Path, Path, Path], None]
+    load: Callable[[Path], Any]
+    help: str = ""
+
+
+_REGISTRY: dict[tuple[str, str], Format] = {}
+
+
+def register(method: str, name: str, fmt: Format) -> None:
+    _REGISTRY[(method, name)] = fmt
+
+
+def drafter_method(drafter_dir: Path) -> str:
+    """The method recorded in a drafter checkpoint's drafter.json."""
+    meta = Path(drafter_dir) / "drafter.json"
+    if not meta.is_file():
+        raise FileNotFoundError(f"{drafter_dir} has no drafter.json; pass a run dir, its best/ or a checkpoint's model/")
+    return json.loads(meta.read_text())["method"]
+
+
+def formats(method: str) -> dict[str, Format]:
+    """Formats registered for `method`."""
+    if method not in PROVIDERS:
+        raise ValueError(f"no export formats for method {method!r}; known methods: {sorted(PROVIDERS)}")
+    importlib.import_module(PROVIDERS[method])
+    return {name: f for (m, name), f in _REGISTRY.items() if m == method}
+
+
+def get_format(method: str, name: str) -> Format:
+    found = formats(method)
+    if name not in found:
+        raise ValueError(f"format {name!r} is not available for {method}; choose one of {sorted(found)}")
+    return found[name]
+
+
+def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the drafter at `drafter_dir` to `out` in format `name`, atomically."""
+    drafter_dir, out = Path(drafter_dir), Path(out).resolve()
+    fmt = get_format(drafter_method(drafter_dir), name)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        fmt.write(drafter_dir, tmp, out)
+        _publishable(tmp)
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _publishable(root: Path) -> None:
+    """Give the export the permissions of a normal directory tree (mkdtemp creates it 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def load(method: str, name: str, path: str | Path) -> Any:
+    """Read an exported directory back with the project's loader for that format."""
+    return get_format(method, name).load(Path(path))

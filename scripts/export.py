@@ -1,0 +1,51 @@
+"""Export a trained drafter to a serving format.
+
+    python scripts/export.py RUN --format medusa|tgi|vllm|hf --out DIR [--overwrite]
+
+RUN is a run directory (its best/ checkpoint is used, else the latest checkpoint's model/), or a
+drafter directory itself. The export is written to a temporary directory and renamed into place,
+so it is either complete or absent; a non-empty DIR is refused without --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from draftsmith.models.export import drafter_method, export, formats
+from draftsmith.train.loop import checkpoints
+
+
+def drafter_dir(run: Path) -> Path:
+    """RUN/best, else RUN/checkpoint-<latest>/model, else RUN itself if it is a drafter dir."""
+    if (run / "drafter.json").is_file():
+        return run
+    if (run / "best" / "drafter.json").is_file():
+        return run / "best"
+    found = [c / "model" for c in checkpoints(run) if (c / "model" / "drafter.json").is_file()]
+    if not found:
+        raise FileNotFoundError(f"{run} holds no drafter (no best/, no checkpoint-*/model/); train first")
+    return found[-1]
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path)
+    parser.add_argument("--format", required=True, dest="fmt")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        src = drafter_dir(args.run)
+        method = drafter_method(src)
+        out = export(src, args.fmt, args.out, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        sys.exit(f"export: {e}")
+    print(f"exported {src} ({method}) as {args.fmt} ({formats(method)[args.fmt].help}) to {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

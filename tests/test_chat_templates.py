@@ -199,3 +199,12 @@ def test_formats_normalise_to_messages():
     assert tokenize_example(tokenizer, sharegpt) == tokenize_messages(tokenizer, messages)
     text = tokenize_example(tokenizer, {"text": "def add(a, b):"})
     assert text["input_ids"][-1] == tokenizer.eos_token_id and all(text["loss_mask"])
+
+
+@pytest.mark.parametrize("template", [qwen_template_with_markers(), CHAT_TEMPLATE], ids=["qwen2.5", "reference"])
+def test_marker_path_matches_transformers(template):
+    """Our marker spans + overlap rule give transformers' own `return_assistant_tokens_mask`."""
+    tokenizer = tiny_tokenizer(FAMILIES["qwen2.5"].specials + SPECIAL_TOKENS, None, "<|endoftext|>", template)
+    ours = tokenize_messages(tokenizer, conversation())
+    theirs = tokenizer.apply_chat_template(conversation(), return_dict=True, return_assistant_tokens_mask=True)
+    assert ours == {"input_ids": list(theirs["input_ids"]), "loss_mask": list(theirs["assistant_masks"])}

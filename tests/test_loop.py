@@ -150,3 +150,17 @@ def test_sampler_shards_one_global_batch_across_ranks():
     one = [idx for _, idx in EpochSampler(24, 4, seed=3).batches(0, 0)]
     ranks = [[idx for _, idx in EpochSampler(24, 2, seed=3, rank=r, world=2).batches(0, 0)] for r in range(2)]
     assert [a + b for a, b in zip(*ranks, strict=True)] == one
+
+
+def test_tensorboard_tracker_writes_events(tmp_path):
+    Loop(loop_cfg(tmp_path, max_steps=2, save_every=2, tracker="tensorboard"), tiny_method(), Recorder()).run()
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "command.txt").is_file()
+
+
+def test_missing_tracker_package_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install wandb, or set loop.tracker=none"):
+        Loop(loop_cfg(tmp_path, tracker="wandb"), tiny_method(), Recorder())

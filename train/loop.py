@@ -16,6 +16,7 @@ Run directory layout:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -166,6 +168,9 @@ class Loop:
         self.cfg, self.dataset, self.evaluate, self.collate = cfg, dataset, evaluate, collate_fn
         self.run_dir = Path(cfg.output_dir)
         tracker = None if cfg.tracker == "none" else cfg.tracker
+        if tracker and importlib.util.find_spec(tracker) is None:
+            raise ValueError(f"loop.tracker={tracker} needs the {tracker} package: pip install {tracker}, "
+                             "or set loop.tracker=none")
         if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=tracker,
@@ -273,6 +278,8 @@ class Loop:
         window: dict[str, list[float]] = {}
         tokens, t0 = 0, time.perf_counter()
         self.method.train()
+        self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
+                        dynamic_ncols=True, leave=False)
         while self.state.step < cfg.max_steps:
             metrics_step: dict[str, float] = {}
             losses = []
@@ -304,6 +311,8 @@ class Loop:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             window.setdefault("loss", []).append(loss.item())
             for k, v in metrics_step.items():
                 window.setdefault(k, []).append(v)
@@ -339,6 +348,7 @@ class Loop:
     def _finish(self, why: str) -> LoopState:
         if not (self.run_dir / f"checkpoint-{self.state.step}").exists():
             self.checkpoint()
+        self.bar.close()
         self.accelerator.print(f"done at step {self.state.step}: {why}")
         self.accelerator.end_training()
         return self.state
@@ -348,8 +358,7 @@ class Loop:
         if self.accelerator.is_main_process:
             with open(self.run_dir / "metrics.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            self.accelerator.print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in row.items()), flush=True)
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=self.state.step)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # module that registers the formats of each method, imported on first use
-PROVIDERS = {"medusa1": "draftsmith.models.medusa_export", "medusa2": "draftsmith.models.medusa_export"}
+PROVIDERS = {"medusa": "draftsmith.models.medusa_export"}
 
 
 @dataclass(frozen=True)

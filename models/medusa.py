@@ -255,7 +255,7 @@ class Medusa(nn.Module):
         state = {k: v for k, v in self.heads.export_state().items() if not (self.cfg.share_lm_head and k.startswith("proj."))}
         save_file(state, out / HEADS_FILE)
         path = self.target.path
-        meta = {"method": "medusa2" if self.medusa2 else "medusa1",
+        meta = {"method": "medusa", "variant": "medusa2" if self.medusa2 else "medusa1",
                 "target": str(Path(path).resolve()) if path and Path(path).exists() else path,
                 "hidden_size": self.heads.hidden_size, "vocab_size": self.heads.vocab_size,
                 "medusa": dataclasses.asdict(self.cfg)}
@@ -284,7 +284,7 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
     if not (path / DRAFTER_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {DRAFTER_FILE}; pass a checkpoint's model/ dir or a run's best/")
     meta = json.loads((path / DRAFTER_FILE).read_text())
-    if meta.get("method") not in ("medusa1", "medusa2"):
+    if meta.get("method") != "medusa":
         raise ValueError(f"{path} holds a {meta.get('method')!r} drafter, not a Medusa one")
     cfg = meta["medusa"]
     if cfg["backbone"] == "full":
@@ -302,4 +302,4 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
                         target.lm_head, cfg["share_lm_head"])
     heads.load_state_dict(state)
     heads.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
-    return MedusaDrafter(target, heads.eval(), meta["method"])
+    return MedusaDrafter(target, heads.eval(), meta["variant"])

@@ -72,8 +72,8 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 def run_recipe(recipe: str, target: Path, out: Path, *extra: str):
     return script("train/medusa.py").main(["--config", str(REPO / "recipes/medusa" / recipe), f"target.path={target}",
-                       f"loop.output_dir={out}", "data.max_examples=48", "data.heldout_examples=6",
-                       "data.seq_len=128", "loop.batch_size=2", "loop.log_every=1", *extra])
+                       f"loop.output_dir={out}", "data.limit=48", "eval.heldout_examples=6",
+                       "data.max_length=128", "data.cache=false", "loop.batch_size=2", "loop.log_every=1", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_medusa1_recipe_trains_evaluates_and_keeps_best(medusa1_run):
 def test_medusa2_recipe_saves_the_adapter(medusa2_run):
     assert (medusa2_run / "best" / "adapter" / "adapter_config.json").is_file()
     meta = json.loads((medusa2_run / "best" / "drafter.json").read_text())
-    assert meta["method"] == "medusa2" and meta["medusa"]["self_distill"]
+    assert meta["method"] == "medusa" and meta["variant"] == "medusa2" and meta["medusa"]["self_distill"]
     rows = [json.loads(line) for line in (medusa2_run / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["lm_loss"]) for r in rows if "lm_loss" in r)
 
@@ -304,7 +304,7 @@ def same_proposals(a, b, k: int = 3):
 def test_medusa1_export_round_trip(fmt, medusa1_run, tmp_path):
     out = script("scripts/export.py").main([str(medusa1_run), "--format", fmt, "--out", str(tmp_path / fmt)])
     original = load_medusa(medusa1_run / "best")
-    loaded = E.load("medusa1", fmt, out)
+    loaded = E.load("medusa", fmt, out)
     same_proposals(original, loaded)
     ids = torch.randint(1, 100, (1, 8))
     torch.testing.assert_close(loaded.target.model(ids).logits, original.target.model(ids).logits)
@@ -314,7 +314,7 @@ def test_medusa1_export_round_trip(fmt, medusa1_run, tmp_path):
 def test_medusa2_export_carries_the_merged_backbone(fmt, medusa2_run, tmp_path):
     out = E.export(medusa2_run / "best", fmt, tmp_path / fmt)
     original = load_medusa(medusa2_run / "best")
-    loaded = E.load("medusa2", fmt, out)
+    loaded = E.load("medusa", fmt, out)
     same_proposals(original, loaded)
     base = load_target(json.loads((medusa2_run / "best" / "drafter.json").read_text())["target"])
     ids = torch.randint(1, 100, (1, 8))
@@ -332,7 +332,7 @@ def test_vllm_shared_lm_head_writes_one_projection(tiny_target_dir, tmp_path):
     out = E.export(tmp_path / "drafter", "vllm", tmp_path / "vllm")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["original_lm_head"] is True and cfg["model_type"] == "medusa"
-    same_proposals(load_medusa(tmp_path / "drafter"), E.load("medusa1", "vllm", out))
+    same_proposals(load_medusa(tmp_path / "drafter"), E.load("medusa", "vllm", out))
 
 
 def test_export_refuses_non_empty_out_and_never_leaves_a_partial_dir(medusa1_run, tmp_path, monkeypatch):
@@ -348,7 +348,7 @@ def test_export_refuses_non_empty_out_and_never_leaves_a_partial_dir(medusa1_run
     def broken(drafter_dir, tmp, final):
         (tmp / "config.json").write_text("{}")
         raise RuntimeError("disk full")
-    monkeypatch.setitem(E._REGISTRY, ("medusa1", "medusa"), E.Format(broken, lambda p: None))
+    monkeypatch.setitem(E._REGISTRY, ("medusa", "medusa"), E.Format(broken, lambda p: None))
     with pytest.raises(RuntimeError, match="disk full"):
         E.export(medusa1_run / "best", "medusa", tmp_path / "fresh")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # neither fresh/ nor a temporary dir

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.chat import NoAssistantTokens, tokenize_example
-from draftsmith.data.packing import pack
-from draftsmith.data.reference import chat_examples, stdlib_files
+from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.models.medusa import Medusa, MedusaConfig, head_losses
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import config as C
@@ -34,61 +32,44 @@ class TargetConfig:
     trust_remote_code: bool = False
 
 
-@dataclasses.dataclass
-class DataConfig:
-    """Chat examples from the reference corpus (stdlib functions: header + docstring -> body)."""
-
-    seq_len: int = 256
-    max_examples: int = 0  # training examples kept (0: all)
-    heldout_examples: int = 64  # held-out examples scored for per-head accuracy at every checkpoint
-
-    def __post_init__(self):
-        if self.seq_len < 8:
-            raise C.ConfigError("data.seq_len: must be >= 8")
+def _data_default() -> DataConfig:
+    return DataConfig(max_length=256, pack=True)
 
 
 @dataclasses.dataclass
 class EvalConfig:
+    """Held-out data scored at every checkpoint (the reference held-out split unless heldout_path is set)."""
+
+    heldout_path: str = ""
+    heldout_split: str = "heldout"
+    heldout_examples: int = 64
     topk: int = 5  # per-head top-k accuracy on held-out rows
 
 
 @dataclasses.dataclass
 class Recipe:
     target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    data: DataConfig = dataclasses.field(default_factory=_data_default)
     medusa: MedusaConfig = dataclasses.field(default_factory=MedusaConfig)
     loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
-def build_rows(tokenizer, cfg: DataConfig) -> tuple[list[dict], list[dict]]:
-    """Packed training rows and unpacked held-out rows, each with input_ids, loss_mask, position_ids."""
-    def tokenized(split: str, limit: int) -> list[dict]:
-        out = []
-        for f in stdlib_files():
-            if f.split != split:
-                continue
-            for ex in chat_examples(f):
-                try:
-                    row = tokenize_example(tokenizer, ex)
-                except NoAssistantTokens:
-                    continue
-                if len(row["input_ids"]) <= cfg.seq_len:
-                    out.append(row)
-                if limit and len(out) >= limit:
-                    return out
-        return out
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train = pack(tokenized("train", cfg.max_examples), cfg.seq_len, pad)
-    heldout = [{**r, "position_ids": list(range(len(r["input_ids"])))}
-               for r in tokenized("heldout", cfg.heldout_examples)]
+def build_data(cfg: Recipe, tokenizer):
+    """Training rows (packed per data.pack) and unpacked held-out rows, through the shared data pipeline."""
+    train = build_dataset(cfg.data, tokenizer)
+    heldout_cfg = dataclasses.replace(cfg.data, path=cfg.eval.heldout_path, split=cfg.eval.heldout_split, pack=False,
+                                      limit=cfg.eval.heldout_examples, overlong="truncate",
+                                      on_no_assistant="drop")
+    heldout = [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in build_dataset(heldout_cfg, tokenizer)]
+    if not heldout:
+        raise ValueError("no held-out example to evaluate on; raise eval.heldout_examples or set eval.heldout_path")
     return train, heldout
 
 
 def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int = 8) -> dict[str, float]:
     """Per-head loss and top-1/top-k accuracy on held-out rows, token-weighted over batches."""
-    device = next(method.heads.parameters()).device
+    device = method.target.lm_head.weight.device
     sums: dict[str, float] = {}
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
@@ -113,13 +94,11 @@ def main(argv: list[str] | None = None) -> Loop:
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    train, heldout = build_rows(target.tokenizer, cfg.data)
-    if not train:
-        raise ValueError(f"no training example fits data.seq_len={cfg.data.seq_len}; raise it")
+    train, heldout = build_data(cfg, target.tokenizer)
     method = Medusa(target, cfg.medusa)
     n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
     print(f"medusa ({cfg.medusa.backbone} backbone): {cfg.medusa.num_heads} heads, {n_train / 1e6:.2f}M trainable; "
-          f"train rows {len(train)} x {cfg.data.seq_len}; held-out examples {len(heldout)}")
+          f"train rows {len(train)} (max {cfg.data.max_length} tokens); held-out examples {len(heldout)}")
 
     def evaluate(m: Medusa, step: int) -> dict:
         return head_accuracy(m, heldout, cfg.eval.topk)

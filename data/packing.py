@@ -9,26 +9,33 @@ from __future__ import annotations
 
 
 def pack(examples: list[dict[str, list[int]]], seq_len: int, pad_id: int) -> list[dict[str, list[int]]]:
-    """First-fit-decreasing packing of examples (each at most `seq_len` long) into rows.
+    """First-fit-decreasing packing of examples (each at most `seq_len` long) into rows, in O(n log n).
 
     Returns rows of exactly `seq_len` tokens with input_ids, loss_mask and position_ids;
     the tail of a row is padding with loss_mask 0.
     """
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+    size = 1
+    while size < len(examples):
+        size *= 2
+    # Max-tree of free room per row. Leaves past the open rows are empty rows (room seq_len), so the
+    # leftmost leaf with enough room is exactly first fit: an open row if one fits, else a new row.
+    room = [seq_len] * (2 * size)
     rows: list[list[int]] = []  # example indices per row
-    free: list[int] = []
     for i in order:
         n = len(examples[i]["input_ids"])
         if n > seq_len:
             raise ValueError(f"example {i} has {n} tokens > seq_len {seq_len}; truncate or drop it first")
-        for r, room in enumerate(free):
-            if n <= room:
-                rows[r].append(i)
-                free[r] -= n
-                break
-        else:
-            rows.append([i])
-            free.append(seq_len - n)
+        node = 1
+        while node < size:
+            node = 2 * node if room[2 * node] >= n else 2 * node + 1
+        if node - size == len(rows):
+            rows.append([])
+        rows[node - size].append(i)
+        room[node] -= n
+        while node > 1:
+            node //= 2
+            room[node] = max(room[2 * node], room[2 * node + 1])
     out = []
     for members in rows:
         ids, mask, pos = [], [], []

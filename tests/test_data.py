@@ -212,3 +212,30 @@ def test_packing_equals_separate_forwards():
 def test_pack_rejects_overlong():
     with pytest.raises(ValueError, match="truncate or drop it first"):
         pack([{"input_ids": [1] * 5, "loss_mask": [1] * 5}], seq_len=4, pad_id=0)
+
+
+def first_fit_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Plain first-fit decreasing, scanning every open row: the reference for `pack`."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows, free = [], []
+    for i in order:
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - lengths[i])
+    return rows
+
+
+def test_pack_is_first_fit_decreasing():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 65, (500,), generator=g).tolist()
+    examples = [{"input_ids": [i] * n, "loss_mask": [1] * n} for i, n in enumerate(lengths)]
+    rows = pack(examples, seq_len=64, pad_id=-1)
+    members = [[ids[a] for a, p in enumerate(r["position_ids"]) if p == 0 and ids[a] != -1]
+               for r in rows for ids in [r["input_ids"]]]
+    assert members == first_fit_rows(lengths, 64)
+    assert sum(map(len, members)) == len(examples)

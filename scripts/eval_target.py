@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.reference import load_prompts
-from draftsmith.models import REFERENCE_TARGET
+from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train.target import measure
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.reference import SourceFile, chat_examples, load_prompts, stdlib_files
-from draftsmith.models import REFERENCE_TARGET
+from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import target as target_script
 
 SNIPPET = '''

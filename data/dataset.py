@@ -45,7 +45,7 @@ class DataConfig:
     """Where the training conversations come from and how they become rows."""
 
     path: str = ""  # hub name, local file (json/jsonl/parquet/arrow) or directory; empty: reference chat examples
-    split: str = "train"  # for the reference examples: "train" or "heldout"
+    split: str = "train"  # hub or saved DatasetDict split; reference examples: "train"/"heldout"; single files: unused
     revision: str = ""  # hub revision (a commit pins the data for the cache key)
     max_length: int = 2048  # tokens per example, and per row when packed
     overlong: Literal["truncate", "drop"] = "truncate"
@@ -239,6 +239,9 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
         return datasets.load_from_disk(str(final)), stats
     ds, stats = tokenize_dataset(load_raw(cfg), cfg, tokenizer)
     log.info("data: %s", stats.summary())
+    if not len(ds):
+        raise ValueError(f"data: no example left to train on ({stats.summary()}); check data.path, data.max_length "
+                         "and data.overlong")
     if final is None:
         return ds, stats
     tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"

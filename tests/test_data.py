@@ -63,10 +63,16 @@ def test_config_is_range_checked():
 
 def test_every_format_gives_the_same_rows(tokenizer, tmp_path):
     expected = [tokenize_example(tokenizer, {"messages": c}) for c in CONVERSATIONS]
-    for name, path in write_all_formats(tmp_path).items():
+    paths = write_all_formats(tmp_path)
+    for name, path in paths.items():
         ds = D.build_dataset(D.DataConfig(path=str(path), max_length=512, cache=False), tokenizer)
         assert ds.column_names == ["input_ids", "loss_mask"], name
         assert ds.to_list() == expected, name
+    data_dir = tmp_path / "files"  # a directory of data files, as a hub dataset repository looks
+    data_dir.mkdir()
+    (data_dir / "part-0.jsonl").write_text(paths["jsonl"].read_text())
+    ds = D.build_dataset(D.DataConfig(path=str(data_dir), max_length=512, cache=False), tokenizer)
+    assert ds.to_list() == expected
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ValueError, match="does not exist"):
         D.build_dataset(D.DataConfig(path=str(missing), cache=False), tokenizer)
@@ -118,8 +124,8 @@ def test_no_assistant_is_an_error_by_default(tokenizer, tmp_path):
     path.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     first_trained = tokenize_example(tokenizer, {"messages": CONVERSATIONS[0]})["loss_mask"].index(1)
     cfg = D.DataConfig(path=str(path), max_length=first_trained, on_no_assistant="drop", cache=False)
-    ds, stats = D.prepare(cfg, tokenizer)
-    assert (stats.no_assistant, stats.truncated, len(ds)) == (1, 0, 0)
+    with pytest.raises(ValueError, match="no example left to train on .*dropped 1 without assistant tokens"):
+        D.prepare(cfg, tokenizer)
 
 
 def test_cache_hit_and_invalidation(tokenizer, tmp_path, monkeypatch):
@@ -239,3 +245,16 @@ def test_pack_is_first_fit_decreasing():
                for r in rows for ids in [r["input_ids"]]]
     assert members == first_fit_rows(lengths, 64)
     assert sum(map(len, members)) == len(examples)
+
+
+def test_hub_names_go_to_load_dataset(tokenizer, monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split, revision):
+        calls.append((name, split, revision))
+        return datasets.Dataset.from_list([sharegpt(c) for c in CONVERSATIONS])
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = D.DataConfig(path="someone/chat-data", split="train_sft", revision="abc123", max_length=512, cache=False)
+    assert len(D.build_dataset(cfg, tokenizer)) == 3
+    assert calls == [("someone/chat-data", "train_sft", "abc123")]
+    assert D._data_key(cfg) == {"hub": "someone/chat-data", "revision": "abc123", "split": "train_sft"}

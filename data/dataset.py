@@ -36,6 +36,9 @@ log = logging.getLogger("draftsmith.data")
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 DEFAULT_CACHE = Path.home() / ".cache" / "draftsmith" / "datasets"
+ROW_FEATURES = {"input_ids": datasets.Sequence(datasets.Value("int32")),
+                "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                "position_ids": datasets.Sequence(datasets.Value("int32"))}
 # The pipeline's own code is part of the cache key: a change to it invalidates old caches.
 PIPELINE_FILES = [Path(__file__), Path(__file__).with_name("chat.py"), Path(__file__).with_name("packing.py")]
 
@@ -197,6 +200,8 @@ def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple
     tokenized = raw.map(_tokenize_one, fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
                                                   "overlong": cfg.overlong},
                         remove_columns=raw.column_names, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                        features=datasets.Features({"input_ids": ROW_FEATURES["input_ids"], "loss_mask": ROW_FEATURES["loss_mask"],
+                                                    "status": datasets.Value("string")}),
                         keep_in_memory=True, new_fingerprint=uuid.uuid4().hex, desc="tokenizing")
     status = tokenized["status"]
     stats = DataStats(read=len(raw), truncated=status.count("truncated"), dropped_overlong=status.count("overlong"),
@@ -216,7 +221,8 @@ def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple
         if pad_id is None:
             raise ValueError("packing needs a pad or EOS token id; set tokenizer.pad_token")
         rows = pack(ds.to_list(), cfg.max_length, pad_id)
-        ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask", "position_ids")})
+        ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ROW_FEATURES},
+                                        features=datasets.Features(ROW_FEATURES))
     stats.rows = len(ds)
     stats.trained_tokens = sum(map(sum, ds["loss_mask"]))
     return ds, stats

@@ -2,7 +2,8 @@
 
 A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its trainable
 parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
-rates) and `save_pretrained(dir)` (the artefact evaluation and export read). The loop owns
+rates), `save_pretrained(dir)` (the artefact evaluation and export read) and `extra_state()` /
+`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it). The loop owns
 everything else: accelerate, gradient accumulation, mixed precision, clipping, schedule,
 trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
@@ -212,7 +213,9 @@ class Loop:
                 torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
                 tensors, meta = _rng_state()
                 save_file(tensors, d / "rng.safetensors")
-                (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics}))
+                extra = model.extra_state() if hasattr(model, "extra_state") else None
+                (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics,
+                                                          "method": extra}))
                 if hasattr(model, "save_pretrained"):
                     model.save_pretrained(d / "model")
             _atomic_dir(final, write)
@@ -255,6 +258,9 @@ class Loop:
         state = json.loads((ckpt / "state.json").read_text())
         _set_rng_state(load_file(ckpt / "rng.safetensors"), state.pop("rng"))
         state.pop("metrics", None)
+        extra = state.pop("method", None)
+        if extra is not None:
+            model.load_extra_state(extra)
         self.state = LoopState(**state)
         self.accelerator.print(f"resumed from {ckpt} at step {self.state.step}")
 

@@ -64,7 +64,7 @@ def conversations(data: str, split: str, limit: int) -> list[dict[str, Any]]:
         if messages is None:
             raise ValueError(f"{data} row {i} is plain text; regeneration needs chat data (messages or conversations)")
         extra = {k: v for k, v in example.items() if k not in ("id", "messages", "conversations")}
-        rows.append({"id": example.get("id", i), **extra, "messages": messages})
+        rows.append({"id": i if example.get("id") is None else example["id"], **extra, "messages": messages})
     return rows
 
 

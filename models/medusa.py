@@ -17,6 +17,7 @@ KL(p_original || p_current), p_original read from the same model with its LoRA a
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 from collections.abc import Callable
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from draftsmith.decoding.proposers import Proposer, Verified
+from draftsmith.decoding.tree import DraftTree
+from draftsmith.decoding.verify import Sampling
 from draftsmith.models.lm import masked_ce
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
@@ -247,6 +251,11 @@ class Medusa(nn.Module):
         metrics.update(lm_loss=lm.item(), head_weight=w)
         return lm + w * weighted, metrics
 
+    def proposer(self, target=None, choices: list[tuple[int, ...]] | None = None) -> MedusaProposer:
+        """A proposer over the current heads (the decoder's protocol). For Medusa-2 the verifying target
+        must be this method's own backbone (`verifier_model(self.target)`), whatever `target` is given."""
+        return MedusaProposer(self.heads, choices or chain_choices(self.heads.num_heads))
+
     def save_pretrained(self, out: str | Path) -> None:
         """The project's drafter checkpoint: drafter.json, medusa_heads.safetensors, and the Medusa-2 backbone
         (LoRA adapter in adapter/, or the full model in backbone/)."""
@@ -303,3 +312,125 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
     heads.load_state_dict(state)
     heads.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
     return MedusaDrafter(target, heads.eval(), meta["variant"])
+
+
+# ---- decoding: the Medusa proposer, its static trees and the greedy tree builder -------------------------
+
+Choices = list[tuple[int, ...]]
+
+
+def chain_choices(num_heads: int) -> Choices:
+    """Chain mode: the top-1 candidate of every head, one path of depth num_heads."""
+    return [(0,) * d for d in range(1, num_heads + 1)]
+
+
+def check_choices(choices: Choices, num_heads: int) -> Choices:
+    """Validate Medusa "choices" (node = ranks along its path) and order them parents first, ranks ascending."""
+    seen = {()}
+    for c in sorted(map(tuple, choices), key=lambda c: (len(c), c)):
+        if not 1 <= len(c) <= num_heads or min(c) < 0:
+            raise ValueError(f"tree choice {c}: needs 1..{num_heads} non-negative ranks (one per head)")
+        if c[:-1] not in seen:
+            raise ValueError(f"tree choice {c} has no parent {c[:-1]} in the choices; choices must be prefix-closed")
+        seen.add(c)
+    return sorted(seen - {()}, key=lambda c: (len(c), c))
+
+
+def greedy_tree(accuracy: torch.Tensor, budget: int) -> tuple[Choices, float]:
+    """The Medusa paper's greedy tree construction under a node budget.
+
+    accuracy [K, R]: accuracy[k, r] = P(head k+1's rank-r candidate is the right token). A node's
+    value is the product of its ranks' accuracies along the path, i.e. the probability that the
+    whole path is accepted; the expected acceptance length of a tree is 1 + the sum of its node
+    values (bonus included). Since a node never beats its parent, repeatedly taking the best
+    frontier node yields the best prefix-closed tree of `budget` nodes.
+    Returns (choices, expected tau).
+    """
+    K, R = accuracy.shape
+    acc = accuracy.double().tolist()
+    frontier = [(-acc[0][r], (r,)) for r in range(R)]
+    heapq.heapify(frontier)
+    chosen, expected = [], 1.0
+    while frontier and len(chosen) < budget:
+        neg, c = heapq.heappop(frontier)
+        chosen.append(c)
+        expected -= neg
+        if len(c) < K:
+            for r in range(R):
+                heapq.heappush(frontier, (neg * acc[len(c)][r], c + (r,)))
+    return check_choices(chosen, K), expected
+
+
+@torch.no_grad()
+def rank_accuracy(target: Target, heads: MedusaHeads, rows: list[dict], topk: int = 10,
+                  batch_size: int = 8) -> torch.Tensor:
+    """[K, topk]: how often head k's rank-r candidate at position t is the token the target itself
+    predicts greedily at t+k (teacher-forced on held-out rows: the quantity greedy verification tests)."""
+    from draftsmith.train.loop import collate
+
+    device = target.lm_head.weight.device
+    hits = torch.zeros(heads.num_heads, topk, dtype=torch.float64)
+    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
+        ids, pos = batch["input_ids"], batch.get("position_ids")
+        hidden = target.tap(ids, batch.get("attention_mask"), pos).hidden  # [b, s, H]
+        greedy = target.logits(hidden).argmax(-1)  # [b, s]: the target's token for t+1
+        s = ids.shape[1]
+        for k in range(1, heads.num_heads + 1):
+            mask = shifted_mask(batch["loss_mask"], pos, k + 1)  # [b, s-k-1]
+            label = greedy[:, k: s - 1][mask]  # [n]: the target's token for t+k+1
+            top = heads.head(k - 1, hidden[:, : s - k - 1][mask]).topk(topk, -1).indices  # [n, topk]
+            hits[k - 1] += (top == label[:, None]).double().sum(0).cpu()
+            counts[k - 1] += label.numel()
+    return hits / counts.clamp_min(1)[:, None]
+
+
+class MedusaProposer(Proposer):
+    """Medusa drafting: the heads read the target's last hidden state at the last verified position and
+    propose the static tree `choices` below the bonus token (node (r1, .., rd) = rank-r_j token of head j).
+
+    The tree is deterministic (q is a point mass per node), so exact verification at any temperature
+    keeps the target's distribution; typical acceptance on top of it is lossy.
+    """
+
+    hidden_layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads, choices: Choices | None = None):
+        self.heads = heads
+        self.choices = check_choices(choices or chain_choices(heads.num_heads), heads.num_heads)
+        self.depth = max(len(c) for c in self.choices)
+        self.ranks = 1 + max(max(c) for c in self.choices)
+        self.reset()
+
+    def reset(self) -> None:
+        self.h: torch.Tensor | None = None
+
+    def accept(self, ids: torch.Tensor, verified: Verified) -> None:
+        if verified.hidden is not None and verified.hidden.shape[1]:
+            self.h = verified.hidden[-1, -1]  # [H], the state that predicted the bonus token ids[-1]
+
+    @torch.no_grad()
+    def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        if self.h is None:  # a one-token prompt: no hidden state yet
+            return DraftTree.empty(ids.device)
+        w = self.heads.projection(0).weight
+        h = self.h.to(device=w.device, dtype=w.dtype)
+        top = torch.stack([self.heads.head(k, h).topk(self.ranks).indices
+                           for k in range(self.depth)]).tolist()  # [depth, ranks]
+        paths = [[top[d][r] for d, r in enumerate(c)] for c in self.choices]
+        return DraftTree.from_paths(paths, ids.device)[0]
+
+
+def verifier_model(target: Target) -> nn.Module:
+    """The Hugging Face model the decoder verifies with: the target itself, LoRA adapters active if any."""
+    model = target.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def load_proposer(path: str | Path, target=None, choices: Choices | None = None) -> MedusaProposer:
+    """The decoder's entry point (`draftsmith.decoding.proposers.load_proposer`) for a Medusa drafter dir.
+    With a Medusa-2 drafter, verify with its merged backbone (`load_medusa(path).target`), not the original."""
+    meta = json.loads((Path(path) / DRAFTER_FILE).read_text()) if (Path(path) / DRAFTER_FILE).is_file() else {}
+    given = None if target is None or meta.get("variant") == "medusa2" else Target(target, None, "")
+    return MedusaProposer(load_medusa(path, given).heads, choices)

@@ -24,15 +24,25 @@ from transformers import (
 
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.proposers import Verified
+from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
+from draftsmith.decoding.verify import Sampling
 from draftsmith.models import export as E
 from draftsmith.models.lm import masked_ce
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,
+    MedusaProposer,
+    chain_choices,
+    check_choices,
+    greedy_tree,
     head_losses,
     head_warmup,
     load_medusa,
     masked_kl,
+    rank_accuracy,
     shifted_mask,
 )
 from draftsmith.models.target import Target, load_target
@@ -72,7 +82,8 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 def run_recipe(recipe: str, target: Path, out: Path, *extra: str):
     return script("train/medusa.py").main(["--config", str(REPO / "recipes/medusa" / recipe), f"target.path={target}",
-                       f"loop.output_dir={out}", "data.limit=48", "eval.heldout_examples=6",
+                       f"loop.output_dir={out}", "data.limit=48", "eval.heldout_examples=6", "eval.num_prompts=1",
+                       "eval.max_new_tokens=4", "eval.tree_budget=6", "eval.tree_ranks=3",
                        "data.max_length=128", "data.cache=false", "loop.batch_size=2", "loop.log_every=1", *extra])
 
 
@@ -274,9 +285,10 @@ def test_medusa1_recipe_trains_evaluates_and_keeps_best(medusa1_run):
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/head1_top1" in r]
     assert len(train) == 6 and len(evals) == 2
+    assert all(r["eval/tau"] >= 1 and "eval/accept_head1" in r for r in evals)
     assert train[-1]["head1_loss"] < train[0]["head1_loss"]  # the heads learn at lr 1e-2
     best = json.loads((medusa1_run / "best" / "best.json").read_text())
-    assert best["step"] in (3, 6) and "head4_top5" in best
+    assert best["tau"] == max(r["eval/tau"] for r in evals) and "head4_top5" in best
     drafter = load_medusa(medusa1_run / "best")
     assert drafter.heads.num_heads == 4 and drafter.source == "medusa1"
 
@@ -352,3 +364,96 @@ def test_export_refuses_non_empty_out_and_never_leaves_a_partial_dir(medusa1_run
     with pytest.raises(RuntimeError, match="disk full"):
         E.export(medusa1_run / "best", "medusa", tmp_path / "fresh")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # neither fresh/ nor a temporary dir
+
+
+# ---- the proposer, its trees and the tree builder ----------------------------------------------------------
+
+def randomised_heads(method: Medusa, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in method.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+
+
+def test_proposer_builds_the_static_tree_from_head_ranks():
+    method = Medusa(Target(tiny_llama()), MedusaConfig(num_heads=3))
+    randomised_heads(method)
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    proposer = MedusaProposer(method.heads, choices)
+    h = torch.randn(32)
+    proposer.accept(torch.tensor([1, 2]), Verified(None, [], None, torch.randn(1, 3, 32)))
+    proposer.h = h
+    tree = proposer.propose(torch.tensor([1, 2]), Sampling())
+    top = [method.heads.head(k, h).topk(2).indices.tolist() for k in range(3)]
+    assert tree.tokens.tolist() == [top[0][0], top[0][1], top[1][0], top[1][1], top[1][0], top[2][0]]
+    assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    chain = MedusaProposer(method.heads).propose(torch.tensor([1]), Sampling())
+    assert len(chain) == 0  # no hidden state before the first verification of a one-token prompt
+    with pytest.raises(ValueError, match="prefix-closed"):
+        check_choices([(0,), (1, 0)], 3)
+
+
+def test_greedy_tree_maximises_expected_acceptance():
+    acc = torch.tensor([[0.6, 0.2, 0.1], [0.5, 0.3, 0.1]])  # [K=2, R=3]
+    choices, expected = greedy_tree(acc, budget=4)
+    # node values: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (2,) .1, (1,0) .1 ...
+    assert choices == [(0,), (1,), (0, 0), (0, 1)]
+    assert math.isclose(expected, 1 + 0.6 + 0.3 + 0.2 + 0.18, rel_tol=1e-6)
+    chain, chain_expected = greedy_tree(torch.tensor([[0.9, 0.05], [0.8, 0.1]]), budget=2)
+    assert chain == chain_choices(2) and math.isclose(chain_expected, 1 + 0.9 + 0.72, rel_tol=1e-6)
+
+
+def test_rank_accuracy_matches_a_direct_count():
+    target = Target(tiny_llama())
+    method = Medusa(target, MedusaConfig(num_heads=2))
+    randomised_heads(method)
+    torch.manual_seed(3)
+    rows = [{"input_ids": torch.randint(1, 96, (10,)).tolist(), "loss_mask": [1] * 10,
+             "position_ids": list(range(10))}]
+    acc = rank_accuracy(target, method.heads, rows, topk=4)  # [2, 4]
+    ids = torch.tensor(rows[0]["input_ids"])[None]
+    with torch.no_grad():
+        hidden = target.tap(ids).hidden[0]  # [s, H]
+        greedy = target.logits(hidden).argmax(-1)  # [s]
+        for k in (1, 2):
+            hits = torch.zeros(4)
+            n = 10 - k - 1
+            for t in range(n):
+                top = method.heads.head(k - 1, hidden[t]).topk(4).indices
+                hits += (top == greedy[t + k]).float()
+            torch.testing.assert_close(acc[k - 1].float(), hits / n)
+
+
+@pytest.mark.parametrize("sampling,rule", [(Sampling(), "auto"), (Sampling(temperature=1.0), "exact")])
+def test_medusa_decoding_is_lossless(sampling, rule):
+    model = tiny_llama()
+    method = Medusa(Target(model), MedusaConfig(num_heads=3))
+    randomised_heads(method)
+    prompt = torch.randint(1, 96, (1, 6))
+    choices = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
+
+    def run(proposer):
+        if sampling.greedy:
+            return proposer(sampling)
+        g = torch.Generator().manual_seed(0)
+        return proposer(Sampling(temperature=1.0, generator=g))
+    spec = run(lambda s: speculative_generate(model, MedusaProposer(method.heads, choices), prompt, 12, s, rule,
+                                              eos_token_id=[])[0])
+    if sampling.greedy:
+        plain = plain_generate(model, prompt, 12, eos_token_id=[])[0]
+        assert torch.equal(spec, plain)
+    else:
+        assert spec.shape == (1, 18)  # exactness itself is the verifier's statistical test
+
+
+def test_the_decoder_loads_a_medusa_checkpoint_as_a_proposer(tiny_target_dir):
+    target = load_target(tiny_target_dir)
+    method = Medusa(target, MedusaConfig(num_heads=2))
+    out = tiny_target_dir.parent / "drafter-for-load-proposer"
+    method.save_pretrained(out)
+    proposer = decoder_load_proposer(str(out), target.model)
+    assert isinstance(proposer, MedusaProposer) and proposer.choices == chain_choices(2)
+    stats = DecodeStats()
+    ids = target.tokenizer("def f(x):\n    return", return_tensors="pt")["input_ids"]
+    speculative_generate(target.model, proposer, ids, 12, stats=stats, eos_token_id=[])
+    assert stats.new_tokens == 12 and stats.tau >= 1

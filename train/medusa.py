@@ -5,7 +5,9 @@
 Loads the target frozen (Medusa-1) or wraps it with LoRA / unfreezes it (Medusa-2), builds the
 chat data with the target's own tokenizer and template (assistant tokens only in the loss),
 and hands everything to the shared loop. At every checkpoint the evaluator scores per-head
-top-1/top-k accuracy on held-out rows and, through the bundled decoder, tau on held-out prompts.
+top-1/top-k accuracy on held-out rows, builds the greedy Medusa tree from the measured per-head
+rank accuracy, and measures tau by real speculative decoding of held-out prompts with the bundled
+decoder (greedy, so lossless); recipes keep the best checkpoint by tau.
 """
 
 from __future__ import annotations
@@ -13,11 +15,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.models.medusa import Medusa, MedusaConfig, head_losses
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.generate import speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.verify import Sampling
+from draftsmith.models.medusa import (
+    Medusa,
+    MedusaConfig,
+    chain_choices,
+    greedy_tree,
+    head_losses,
+    rank_accuracy,
+    verifier_model,
+)
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import config as C
 from draftsmith.train.loop import Loop, collate
@@ -44,6 +59,18 @@ class EvalConfig:
     heldout_split: str = "heldout"
     heldout_examples: int = 64
     topk: int = 5  # per-head top-k accuracy on held-out rows
+    prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL, messages or prompt)
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    tree: Literal["chain", "tree"] = "tree"  # tree: greedy Medusa tree from measured per-head rank accuracy
+    tree_budget: int = 31  # nodes of the tree
+    tree_ranks: int = 8  # candidates per head considered by the tree builder
+
+    def __post_init__(self):
+        for ok, key in [(self.num_prompts >= 0, "num_prompts"), (self.max_new_tokens >= 1, "max_new_tokens"),
+                        (self.tree_budget >= 1, "tree_budget"), (self.tree_ranks >= 1, "tree_ranks")]:
+            if not ok:
+                raise C.ConfigError(f"eval.{key}: must be positive")
 
 
 @dataclasses.dataclass
@@ -84,6 +111,50 @@ def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int =
     return {k: v / n for k, v in sums.items()}
 
 
+def encode_prompts(tokenizer, path: str, limit: int) -> list[torch.Tensor]:
+    """Held-out prompts as token ids [L], chat prompts with the generation prompt appended."""
+    out = []
+    for row in load_prompts(Path(path), limit or None):
+        if "messages" in row:
+            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(row["prompt"])["input_ids"]
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+def decode_tau(method: Medusa, prompts: list[torch.Tensor], max_new_tokens: int, choices, rule: str = "auto",
+               sampling: Sampling | None = None) -> DecodeStats:
+    """Real speculative decoding of the prompts with the current heads (greedy unless `sampling`)."""
+    model = verifier_model(method.target)
+    proposer = method.proposer(model, choices)
+    device = method.target.lm_head.weight.device
+    stats = DecodeStats()
+    for ids in prompts:
+        speculative_generate(model, proposer, ids[None].to(device), max_new_tokens, sampling, rule, stats=stats)
+    return stats
+
+
+def evaluate_checkpoint(method: Medusa, heldout: list[dict], prompts: list[torch.Tensor], cfg: EvalConfig) -> dict:
+    """Per-head accuracy on held-out rows, then tau of greedy decoding of held-out prompts (chain or greedy tree)."""
+    metrics = head_accuracy(method, heldout, cfg.topk)
+    if not prompts:
+        return metrics
+    choices = chain_choices(method.heads.num_heads)
+    if cfg.tree == "tree":
+        acc = rank_accuracy(method.target, method.heads, heldout, cfg.tree_ranks)  # [K, R]
+        choices, expected = greedy_tree(acc, cfg.tree_budget)
+        metrics["expected_tau"] = expected
+    stats = decode_tau(method, prompts, cfg.max_new_tokens, choices)
+    metrics["tau"] = stats.tau
+    for k, a in enumerate(stats.acceptance_by_position(), 1):
+        metrics[f"accept_head{k}"] = a
+    print(f"tau={stats.tau:.3f} ({cfg.tree}, greedy, {len(prompts)} held-out prompts, "
+          f"{stats.new_tokens} tokens in {stats.steps} target forwards)", flush=True)
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> Loop:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,8 +171,10 @@ def main(argv: list[str] | None = None) -> Loop:
     print(f"medusa ({cfg.medusa.backbone} backbone): {cfg.medusa.num_heads} heads, {n_train / 1e6:.2f}M trainable; "
           f"train rows {len(train)} (max {cfg.data.max_length} tokens); held-out examples {len(heldout)}")
 
+    prompts = encode_prompts(target.tokenizer, cfg.eval.prompts, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+
     def evaluate(m: Medusa, step: int) -> dict:
-        return head_accuracy(m, heldout, cfg.eval.topk)
+        return evaluate_checkpoint(m, heldout, prompts, cfg.eval)
 
     loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
     method.progress = lambda: loop.state.step / cfg.loop.max_steps

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data import dataset as D
-from draftsmith.data.chat import NoAssistantTokens, tokenize_example
+from draftsmith.data.chat import NoAssistantTokens, TemplateMismatch, tokenize_example
 from draftsmith.data.packing import pack
 from draftsmith.data.tokenizer import train_bpe
 from draftsmith.train import config as C
@@ -258,3 +258,11 @@ def test_hub_names_go_to_load_dataset(tokenizer, monkeypatch):
     assert len(D.build_dataset(cfg, tokenizer)) == 3
     assert calls == [("someone/chat-data", "train_sft", "abc123")]
     assert D._data_key(cfg) == {"hub": "someone/chat-data", "revision": "abc123", "split": "train_sft"}
+
+
+def test_rewriting_template_fails_the_build(tokenizer, tmp_path):
+    path = write_all_formats(tmp_path)["jsonl"]
+    qwen3 = train_bpe(["def add(a, b):"] * 4, vocab_size=300)
+    qwen3.chat_template = (Path(__file__).parent / "fixtures/chat_templates/qwen3.jinja").read_text()
+    with pytest.raises(TemplateMismatch, match="add {% generation %}"):
+        D.build_dataset(D.DataConfig(path=str(path), cache=False), qwen3)

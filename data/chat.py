@@ -98,7 +98,10 @@ def _incremental_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, 
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        if i == 0:
+            raise TemplateMismatch("the conversation starts with an assistant turn, whose start cannot be located "
+                                   "without {% generation %} markers; drop the leading turn or add the markers")
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = _render(tokenizer, messages[: i + 1])
         if not (text.startswith(upto) and upto.startswith(before)):
             raise TemplateMismatch(

@@ -176,6 +176,9 @@ def test_rewriting_templates_raise():
     mistral = family_tokenizer("mistral-v0.3")
     with pytest.raises(TemplateMismatch, match="generation %}"):
         tokenize_messages(mistral, conversation(system=True))
+    # Nothing renders before a leading assistant turn, so its start is unknown without markers.
+    with pytest.raises(TemplateMismatch, match="starts with an assistant turn"):
+        tokenize_messages(family_tokenizer("llama-3.1"), conversation(system=False)[1:])
 
 
 def test_no_assistant_tokens_is_an_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -161,3 +162,28 @@ def test_lora_export_is_a_merged_plain_model(tmp_path):
     exported = LlamaForCausalLM.from_pretrained(tmp_path).eval()
     torch.testing.assert_close(exported(ids).logits, expected, atol=1e-5, rtol=1e-4)
     assert any("lora" in n for n, _ in method.model.named_parameters()), "training model keeps its adapters"
+
+
+def test_layerskip_recipe_trains_measures_tau_per_exit_and_records_the_best(tiny_chat_target, tmp_path):
+    from transformers import GenerationConfig
+
+    from draftsmith.decoding.proposers import load_proposer
+    from draftsmith.train import layerskip as script
+
+    loop = script.main(["--config", "recipes/layerskip/tiny-code.yaml", f"target.path={tiny_chat_target}",
+                        f"loop.output_dir={tmp_path}", "loop.max_steps=4", "loop.save_every=2", "loop.batch_size=2",
+                        "data.limit=24", "data.max_length=256", "data.cache=false", "data.on_no_assistant=drop", "eval.heldout_examples=4",
+                        "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.exit_layers=[1, 2]",
+                        "loop.best_metric=tau_exit1"])
+    assert loop.state.step == 4
+    best = tmp_path / "best"
+    info = json.loads((best / "drafter.json").read_text())
+    assert info["exit_layer"] in (1, 2) and set(info["tau_by_exit"]) == {"1", "2"}
+    assert GenerationConfig.from_pretrained(best).assistant_early_exit == info["exit_layer"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tau_exit2" in r]
+    assert len(evals) == 2 and all(r["eval/tau_exit1"] >= 1.0 for r in evals)
+    assert "eval/heldout_agree_exit1" in evals[0] and "loss_exit1" in json.dumps(rows)
+    target = LlamaForCausalLM.from_pretrained(best).eval()
+    proposer = load_proposer(str(best), target)
+    assert proposer.exit_layer == info["exit_layer"]

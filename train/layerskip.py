@@ -1,0 +1,143 @@
+"""LayerSkip: train the target so that its own first layers draft for it (self-speculative decoding).
+
+    accelerate launch train/layerskip.py --config recipes/layerskip/tiny-code.yaml [key=value ...]
+
+Continues training the target (every weight, or LoRA adapters) with the early-exit loss, its
+curriculum and layer dropout (models/layerskip.py). At every checkpoint it scores the held-out
+rows (final loss, per-exit loss and top-1 agreement with the final layer) and measures tau of
+self-speculative greedy decoding at each exit layer of `eval.exit_layers` on held-out prompts;
+the best checkpoint is kept by `loop.best_metric` (tau at `eval.select_exit` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.evaluate import evaluate, render_prompts
+from draftsmith.models.layerskip import EarlyExit, LayerSkip, LayerSkipConfig
+from draftsmith.models.target import REFERENCE_TARGET, load_target
+from draftsmith.train import config as C
+from draftsmith.train.loop import Loop, collate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class TargetConfig:
+    path: str = str(REFERENCE_TARGET)
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    heldout_examples: int = 64  # held-out chat examples scored for per-exit loss and agreement
+    prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    exit_layers: list[int] = dataclasses.field(default_factory=lambda: [2, 4])
+    gamma: int = 4  # tokens drafted per step
+
+    def __post_init__(self):
+        if self.num_prompts < 0 or self.max_new_tokens < 1 or self.gamma < 1:
+            raise C.ConfigError("eval: num_prompts >= 0, max_new_tokens >= 1 and gamma >= 1 are required")
+
+
+@dataclasses.dataclass
+class Recipe:
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=512, pack=True))
+    layerskip: LayerSkipConfig = dataclasses.field(default_factory=LayerSkipConfig)
+    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def heldout_scores(method: LayerSkip, rows: list[dict], batch_size: int = 8) -> dict[str, float]:
+    """Final and per-exit held-out loss and top-1 agreement with the final layer, token-weighted."""
+    sums: dict[str, float] = {}
+    total = 0
+    device = next(method.parameters()).device
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
+        _, metrics = method(batch)
+        n = int(batch["loss_mask"][:, 1:].sum())
+        total += n
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v * n
+    return {f"heldout_{k}": v / max(1, total) for k, v in sums.items()}
+
+
+def evaluate_checkpoint(method: LayerSkip, heldout: list[dict], prompts: list[torch.Tensor], cfg: EvalConfig,
+                        baselines: dict) -> dict:
+    """Held-out per-exit scores, then tau and speedup of greedy self-speculation at every exit layer."""
+    metrics = heldout_scores(method, heldout)
+    model = method.base
+    for E in cfg.exit_layers if prompts else ():
+        results = evaluate(model, EarlyExit(model, E, cfg.gamma), prompts, cfg.max_new_tokens, check_greedy=False,
+                           baselines=baselines)
+        metrics[f"tau_exit{E}"], metrics[f"speedup_exit{E}"] = results["tau"], results["speedup"]
+    if prompts:
+        print("tau by exit layer: " + ", ".join(f"E={E}: {metrics[f'tau_exit{E}']:.3f}" for E in cfg.exit_layers),
+              flush=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "recipes/layerskip/tiny-code.yaml"))
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. loop.max_steps=10")
+    args = parser.parse_args(argv)
+    cfg = C.load(Recipe, args.config, args.overrides)
+
+    torch.manual_seed(cfg.loop.seed)
+    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code, frozen=cfg.layerskip.lora)
+    L = target.config.num_hidden_layers
+    bad = [E for E in cfg.eval.exit_layers if not 1 <= E < L]
+    if bad:
+        raise C.ConfigError(f"eval.exit_layers: {bad} out of range for a {L}-layer target; use 1..{L - 1}")
+    train = build_dataset(cfg.data, target.tokenizer)
+    heldout_cfg = dataclasses.replace(cfg.data, split="heldout" if not cfg.data.path else cfg.data.split,
+                                      pack=False, limit=cfg.eval.heldout_examples, on_no_assistant="drop")
+    heldout = list(build_dataset(heldout_cfg, target.tokenizer))
+    prompts = render_prompts(target.tokenizer, load_prompts(Path(cfg.eval.prompts), cfg.eval.num_prompts or None)
+                             )[: cfg.eval.num_prompts]
+
+    method = LayerSkip(target.model, target.tokenizer, cfg.layerskip, cfg.loop.max_steps * cfg.loop.grad_accum)
+    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
+    print(f"layerskip: {L}-layer target, {n_train / 1e6:.2f}M trainable ({'LoRA' if cfg.layerskip.lora else 'full'}); "
+          f"train rows {len(train)}, held-out examples {len(heldout)}, prompts {len(prompts)}")
+
+    baselines: dict = {}  # plain decoding timed once: the target's size, not its weights, sets its speed
+    loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
+                evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
+    loop.run()
+    best = loop.run_dir / "best"
+    if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:
+        record_exit_layer(best, {E: json.loads((best / "best.json").read_text())[f"tau_exit{E}"]
+                                 for E in cfg.eval.exit_layers})
+    return loop
+
+
+def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float]) -> int:
+    """Write the best exit layer where decoders look for it: drafter.json and generation_config.json
+    (`assistant_early_exit`, which transformers' generate uses for self-speculation)."""
+    exit_layer = max(tau_by_exit, key=tau_by_exit.get)
+    (model_dir / "drafter.json").write_text(json.dumps(
+        {"method": "layerskip", "exit_layer": exit_layer, "tau_by_exit": tau_by_exit}, indent=2))
+    gen = GenerationConfig.from_pretrained(model_dir)
+    gen.assistant_early_exit = exit_layer
+    gen.save_pretrained(model_dir)
+    return exit_layer
+
+
+if __name__ == "__main__":
+    main()

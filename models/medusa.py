@@ -210,6 +210,7 @@ class Medusa(nn.Module):
         self.heads = MedusaHeads(c.hidden_size, target.lm_head.weight.shape[0], cfg.num_heads, cfg.num_layers,
                                  target.lm_head, cfg.share_lm_head)
         self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; set by the entry script
+        self.choices: Choices | None = None  # decoding tree (None: chain); the evaluator sets the measured one
 
     @property
     def medusa2(self) -> bool:
@@ -251,10 +252,10 @@ class Medusa(nn.Module):
         metrics.update(lm_loss=lm.item(), head_weight=w)
         return lm + w * weighted, metrics
 
-    def proposer(self, target=None, choices: list[tuple[int, ...]] | None = None) -> MedusaProposer:
-        """A proposer over the current heads (the decoder's protocol). For Medusa-2 the verifying target
-        must be this method's own backbone (`verifier_model(self.target)`), whatever `target` is given."""
-        return MedusaProposer(self.heads, choices or chain_choices(self.heads.num_heads))
+    def proposer(self, target=None, choices: Choices | None = None) -> MedusaProposer:
+        """A proposer over the current heads (the decoder's protocol), on `choices`, else this checkpoint's
+        tree, else the chain. For Medusa-2 verify with this method's own backbone, `verifier_model(self.target)`."""
+        return MedusaProposer(self.heads, choices or self.choices)
 
     def save_pretrained(self, out: str | Path) -> None:
         """The project's drafter checkpoint: drafter.json, medusa_heads.safetensors, and the Medusa-2 backbone
@@ -268,6 +269,8 @@ class Medusa(nn.Module):
                 "target": str(Path(path).resolve()) if path and Path(path).exists() else path,
                 "hidden_size": self.heads.hidden_size, "vocab_size": self.heads.vocab_size,
                 "medusa": dataclasses.asdict(self.cfg)}
+        if self.choices:
+            meta["tree_choices"] = [list(c) for c in self.choices]
         (out / DRAFTER_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if self.cfg.backbone == "lora":
             self.target.model.save_pretrained(out / "adapter")
@@ -284,6 +287,7 @@ class MedusaDrafter:
     target: Target
     heads: MedusaHeads
     source: str = "medusa1"  # medusa1 / medusa2 for a project checkpoint, else the export format read
+    choices: Choices | None = None  # the tree measured for this checkpoint, if any
 
 
 def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dtype = torch.float32) -> MedusaDrafter:
@@ -311,7 +315,8 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
                         target.lm_head, cfg["share_lm_head"])
     heads.load_state_dict(state)
     heads.to(device=target.lm_head.weight.device, dtype=target.lm_head.weight.dtype)
-    return MedusaDrafter(target, heads.eval(), meta["variant"])
+    choices = [tuple(c) for c in meta["tree_choices"]] if meta.get("tree_choices") else None
+    return MedusaDrafter(target, heads.eval(), meta["variant"], choices)
 
 
 # ---- decoding: the Medusa proposer, its static trees and the greedy tree builder -------------------------
@@ -428,9 +433,12 @@ def verifier_model(target: Target) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def load_proposer(path: str | Path, target=None, choices: Choices | None = None) -> MedusaProposer:
-    """The decoder's entry point (`draftsmith.decoding.proposers.load_proposer`) for a Medusa drafter dir.
-    With a Medusa-2 drafter, verify with its merged backbone (`load_medusa(path).target`), not the original."""
+def load_proposer(path: str | Path, target=None, choices: Choices | None = None, chain: bool = False
+                  ) -> MedusaProposer:
+    """The decoder's entry point (`draftsmith.decoding.proposers.load_proposer`) for a Medusa drafter dir:
+    its measured tree unless `choices` or `chain` is given. With a Medusa-2 drafter, verify with its merged
+    backbone (`load_medusa(path).target`), not the original target."""
     meta = json.loads((Path(path) / DRAFTER_FILE).read_text()) if (Path(path) / DRAFTER_FILE).is_file() else {}
     given = None if target is None or meta.get("variant") == "medusa2" else Target(target, None, "")
-    return MedusaProposer(load_medusa(path, given).heads, choices)
+    drafter = load_medusa(path, given)
+    return MedusaProposer(drafter.heads, chain_choices(drafter.heads.num_heads) if chain else choices or drafter.choices)

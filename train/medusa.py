@@ -21,9 +21,7 @@ import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
-from draftsmith.decoding.generate import speculative_generate
-from draftsmith.decoding.metrics import DecodeStats
-from draftsmith.decoding.verify import Sampling
+from draftsmith.decoding.evaluate import make_checkpoint_evaluator
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,
@@ -111,47 +109,20 @@ def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int =
     return {k: v / n for k, v in sums.items()}
 
 
-def encode_prompts(tokenizer, path: str, limit: int) -> list[torch.Tensor]:
-    """Held-out prompts as token ids [L], chat prompts with the generation prompt appended."""
-    out = []
-    for row in load_prompts(Path(path), limit or None):
-        if "messages" in row:
-            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(row["prompt"])["input_ids"]
-        out.append(torch.tensor(ids, dtype=torch.long))
-    return out
-
-
-def decode_tau(method: Medusa, prompts: list[torch.Tensor], max_new_tokens: int, choices, rule: str = "auto",
-               sampling: Sampling | None = None) -> DecodeStats:
-    """Real speculative decoding of the prompts with the current heads (greedy unless `sampling`)."""
-    model = verifier_model(method.target)
-    proposer = method.proposer(model, choices)
-    device = method.target.lm_head.weight.device
-    stats = DecodeStats()
-    for ids in prompts:
-        speculative_generate(model, proposer, ids[None].to(device), max_new_tokens, sampling, rule, stats=stats)
-    return stats
-
-
-def evaluate_checkpoint(method: Medusa, heldout: list[dict], prompts: list[torch.Tensor], cfg: EvalConfig) -> dict:
-    """Per-head accuracy on held-out rows, then tau of greedy decoding of held-out prompts (chain or greedy tree)."""
+def evaluate_checkpoint(method: Medusa, heldout: list[dict], decode, cfg: EvalConfig, step: int) -> dict:
+    """Per-head accuracy on held-out rows; with prompts, the greedy tree from the measured per-head rank
+    accuracy (kept as the checkpoint's tree) and tau by real greedy decoding through the shared evaluator
+    (`acceptance_pos{k}` is the acceptance of head k, conditional on heads 1..k-1 accepted)."""
     metrics = head_accuracy(method, heldout, cfg.topk)
-    if not prompts:
+    if decode is None:
         return metrics
-    choices = chain_choices(method.heads.num_heads)
+    method.choices = chain_choices(method.heads.num_heads)
     if cfg.tree == "tree":
         acc = rank_accuracy(method.target, method.heads, heldout, cfg.tree_ranks)  # [K, R]
-        choices, expected = greedy_tree(acc, cfg.tree_budget)
-        metrics["expected_tau"] = expected
-    stats = decode_tau(method, prompts, cfg.max_new_tokens, choices)
-    metrics["tau"] = stats.tau
-    for k, a in enumerate(stats.acceptance_by_position(), 1):
-        metrics[f"accept_head{k}"] = a
-    print(f"tau={stats.tau:.3f} ({cfg.tree}, greedy, {len(prompts)} held-out prompts, "
-          f"{stats.new_tokens} tokens in {stats.steps} target forwards)", flush=True)
+        method.choices, metrics["expected_tau"] = greedy_tree(acc, cfg.tree_budget)
+    metrics.update(decode(method, step))
+    print(f"step {step}: tau={metrics['tau']:.3f} ({cfg.tree} of {len(method.choices)} nodes, greedy, "
+          f"{cfg.num_prompts} held-out prompts x {cfg.max_new_tokens} tokens)", flush=True)
     return metrics
 
 
@@ -171,10 +142,12 @@ def main(argv: list[str] | None = None) -> Loop:
     print(f"medusa ({cfg.medusa.backbone} backbone): {cfg.medusa.num_heads} heads, {n_train / 1e6:.2f}M trainable; "
           f"train rows {len(train)} (max {cfg.data.max_length} tokens); held-out examples {len(heldout)}")
 
-    prompts = encode_prompts(target.tokenizer, cfg.eval.prompts, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+    decode = make_checkpoint_evaluator(verifier_model(method.target), target.tokenizer,
+                                       load_prompts(Path(cfg.eval.prompts)), cfg.eval.max_new_tokens,
+                                       num_prompts=cfg.eval.num_prompts) if cfg.eval.num_prompts else None
 
     def evaluate(m: Medusa, step: int) -> dict:
-        return evaluate_checkpoint(m, heldout, prompts, cfg.eval)
+        return evaluate_checkpoint(m, heldout, decode, cfg.eval, step)
 
     loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
     method.progress = lambda: loop.state.step / cfg.loop.max_steps

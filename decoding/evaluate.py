@@ -1,0 +1,133 @@
+"""Held-out evaluation of a drafter by real speculative decoding, and the per-checkpoint evaluator.
+
+    results = evaluate(target, proposer, render_prompts(tokenizer, load_prompts(limit=20)), max_new_tokens=128)
+    evaluate_fn = make_checkpoint_evaluator(target, tokenizer, num_prompts=8)   # Loop(..., evaluate=evaluate_fn)
+
+Speedup is wall-clock time per generated token of the target's own decoding (`plain_generate`, the
+same loop with no draft) over that of speculative decoding, on the same prompts in the same process.
+Greedy equality with `target.generate(do_sample=False)` is checked token by token at temperature 0;
+`greedy_matches_target` is None when it was not checked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.proposers import Proposer
+from draftsmith.decoding.verify import Sampling
+
+
+def render_prompts(tokenizer, rows: list[dict]) -> list[torch.Tensor]:
+    """Prompt rows -> token ids [1, L]: `messages` through the chat template, `prompt` as raw text."""
+    out = []
+    for i, row in enumerate(rows):
+        if "messages" in row:
+            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        elif "prompt" in row:
+            text = row["prompt"]
+        else:
+            raise ValueError(f"prompt {i}: needs 'messages' (OpenAI format) or 'prompt' (raw text)")
+        ids = tokenizer(text, add_special_tokens="messages" not in row, return_tensors="pt")["input_ids"]
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} is empty after tokenization")
+        out.append(ids)
+    return out
+
+
+def _seeded(temperature: float, seed: int, sampling: dict) -> Sampling:
+    return Sampling(temperature, generator=torch.Generator().manual_seed(seed), **sampling)
+
+
+def baseline(target, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
+             seed: int = 0, **sampling) -> DecodeStats:
+    """The target's own decoding of the prompts (tau 1), timed."""
+    stats = DecodeStats()
+    for i, x in enumerate(prompts):
+        plain_generate(target, x.to(target.device), max_new_tokens, _seeded(temperature, seed + i, sampling),
+                       stats=stats)
+    return stats
+
+
+def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int = 128,
+             temperatures: tuple[float, ...] = (0.0,), rule: str = "auto", check_greedy: bool = True,
+             baselines: dict[float, DecodeStats] | None = None, seed: int = 0, **sampling) -> dict:
+    """Decode every prompt at every temperature; tau, acceptance, speedup and greedy equality.
+
+    `baselines` (temperature -> plain-decoding stats): missing temperatures are measured here and
+    added to the dict, so a caller can reuse them. `sampling`
+    takes top_k / top_p. Returns the first temperature's figures at the top level and all of them
+    under `by_temperature`.
+    """
+    start = time.perf_counter()
+    target.eval()
+    baselines = {} if baselines is None else baselines
+    speculative_generate(target, proposer, prompts[0].to(target.device), 4)  # warm-up, not timed
+    by_t = {}
+    for temperature in temperatures:
+        stats, matches = DecodeStats(), True
+        for i, x in enumerate(prompts):
+            x = x.to(target.device)
+            out, _ = speculative_generate(target, proposer, x, max_new_tokens, _seeded(temperature, seed + i, sampling),
+                                          rule, stats=stats)
+            if check_greedy and temperature == 0:
+                with torch.no_grad():
+                    ref = target.generate(x, max_new_tokens=max_new_tokens, do_sample=False)
+                matches &= torch.equal(out, ref)
+        if temperature not in baselines:
+            baselines[temperature] = baseline(target, prompts, max_new_tokens, temperature, seed, **sampling)
+        base = baselines[temperature]
+        by_t[f"{temperature:g}"] = {
+            **stats.summary(),
+            "speedup": (base.wall_s / base.new_tokens) / (stats.wall_s / stats.new_tokens),
+            "baseline_wall_s": base.wall_s,
+            "greedy_matches_target": matches if check_greedy and temperature == 0 else None,
+        }
+    first = by_t[f"{temperatures[0]:g}"]
+    return {**first, "by_temperature": by_t, "eval_seconds": time.perf_counter() - start,
+            "settings": {"max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "rule": rule,
+                         "lossy": rule == "typical", "num_prompts": len(prompts), "seed": seed, **sampling}}
+
+
+def flat_metrics(results: dict) -> dict[str, float]:
+    """Scalars for trackers: tau (first temperature), tau_t<T>, acceptance_pos<k>, speedup, eval cost."""
+    out = {"tau": results["tau"], "speedup": results["speedup"], "eval_prompts": results["settings"]["num_prompts"],
+           "eval_seconds": results["eval_seconds"]}
+    for t, r in results["by_temperature"].items():
+        out[f"tau_t{t}"] = r["tau"]
+    for k, a in enumerate(results["acceptance_by_position"], 1):
+        out[f"acceptance_pos{k}"] = a
+    if results.get("greedy_matches_target") is not None:
+        out["greedy_matches_target"] = float(results["greedy_matches_target"])
+    return out
+
+
+def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = None, max_new_tokens: int = 64,
+                              temperatures: tuple[float, ...] = (0.0,), num_prompts: int = 8, rule: str = "auto",
+                              check_greedy: bool = False) -> Callable[[torch.nn.Module, int], dict]:
+    """The training loop's `evaluate(method_module, step)`: tau of `method_module.proposer(target)`.
+
+    Prompts default to the reference target's held-out set; the first `num_prompts` are used (the
+    evaluation's cost scales with num_prompts x max_new_tokens x len(temperatures); `eval_seconds`
+    reports it). The plain-decoding baseline for speedup is timed once, at the first call. Use
+    `tau` as `loop.best_metric` (mode max).
+    """
+    from draftsmith.data.reference import load_prompts
+
+    rows = (prompts if prompts is not None else load_prompts())[:num_prompts]
+    ids = render_prompts(tokenizer, rows)
+    baselines: dict[float, DecodeStats] = {}
+
+    def evaluate_checkpoint(method_module: torch.nn.Module, step: int) -> dict:
+        was_training = method_module.training
+        method_module.eval()
+        results = evaluate(target, method_module.proposer(target), ids, max_new_tokens, temperatures, rule,
+                           check_greedy, baselines)
+        method_module.train(was_training)
+        return flat_metrics(results)
+
+    return evaluate_checkpoint

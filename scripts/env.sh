@@ -13,11 +13,11 @@ want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q --upgrade pip setuptools wheel
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    python -m pip install -q "torch>=2.4"
+    python -m pip install -q "torch>=2.13"
   else
     python -m pip install -q "torch==2.13.0"  # the CPU wheel where no GPU is present
   fi
-  python -m pip install -q --no-build-isolation "deepspeed>=0.17"  # its build imports the torch above
+  python -m pip install -q --no-build-isolation "deepspeed>=0.19.8"  # its build imports the torch above
   python -m pip install -q -e "$ROOT[dev]"
   echo "$want" > "$stamp"
 fi

@@ -34,9 +34,9 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from draftsmith.train.config import LoopConfig
 

@@ -118,13 +118,16 @@ def _incremental_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, 
 
 
 def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for every token whose characters overlap a span (zero-width tokens: that start inside one)."""
-    mask = []
+    """1 for every token whose characters overlap a span (zero-width tokens: that start inside one).
+
+    `offsets` and `spans` are sorted, spans disjoint, so one pass over both suffices.
+    """
+    mask, j = [], 0
     for s, e in offsets:
-        if e > s:
-            mask.append(int(any(s < b and e > a for a, b in spans)))
-        else:
-            mask.append(int(any(a <= s < b for a, b in spans)))
+        while j < len(spans) and spans[j][1] <= s:  # spans that end before this token
+            j += 1
+        a = spans[j][0] if j < len(spans) else None
+        mask.append(int(a is not None and (e > a if e > s else a <= s)))
     return mask
 
 

@@ -18,6 +18,7 @@ from draftsmith.data.chat import (
     NoAssistantTokens,
     TemplateMismatch,
     has_generation_markers,
+    mask_from_spans,
     to_messages,
     tokenize_example,
     tokenize_messages,
@@ -211,3 +212,11 @@ def test_marker_path_matches_transformers(template):
     ours = tokenize_messages(tokenizer, conversation())
     theirs = tokenizer.apply_chat_template(conversation(), return_dict=True, return_assistant_tokens_mask=True)
     assert ours == {"input_ids": list(theirs["input_ids"]), "loss_mask": list(theirs["assistant_masks"])}
+
+
+def test_mask_from_spans_matches_the_overlap_rule():
+    offsets = [(0, 3), (3, 3), (3, 5), (5, 9), (9, 9), (9, 10), (10, 14), (14, 14), (14, 20)]
+    spans = [(4, 9), (14, 16)]
+    # (3, 5) straddles the start, (9, 9) sits on an end (outside), (14, 14) on a start (inside).
+    assert mask_from_spans(offsets, spans) == [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    assert mask_from_spans(offsets, []) == [0] * len(offsets)

@@ -47,6 +47,20 @@ def drafter_method(drafter_dir: Path) -> str:
     return json.loads(meta.read_text())["method"]
 
 
+def find_drafter(run: str | Path) -> Path:
+    """A drafter dir from a run: RUN itself if it is one, else RUN/best, else the latest checkpoint's model/."""
+    run = Path(run)
+    if (run / "drafter.json").is_file():
+        return run
+    if (run / "best" / "drafter.json").is_file():
+        return run / "best"
+    found = sorted((c / "model" for c in run.glob("checkpoint-*") if (c / "model" / "drafter.json").is_file()),
+                   key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit() else -1)
+    if not found:
+        raise FileNotFoundError(f"{run} holds no drafter (no drafter.json, best/ or checkpoint-*/model/); train first")
+    return found[-1]
+
+
 def formats(method: str) -> dict[str, Format]:
     """Formats registered for `method`."""
     if method not in PROVIDERS:

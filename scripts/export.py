@@ -13,20 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from draftsmith.models.export import drafter_method, export, formats
-from draftsmith.train.loop import checkpoints
-
-
-def drafter_dir(run: Path) -> Path:
-    """RUN/best, else RUN/checkpoint-<latest>/model, else RUN itself if it is a drafter dir."""
-    if (run / "drafter.json").is_file():
-        return run
-    if (run / "best" / "drafter.json").is_file():
-        return run / "best"
-    found = [c / "model" for c in checkpoints(run) if (c / "model" / "drafter.json").is_file()]
-    if not found:
-        raise FileNotFoundError(f"{run} holds no drafter (no best/, no checkpoint-*/model/); train first")
-    return found[-1]
+from draftsmith.models.export import drafter_method, export, find_drafter, formats
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -38,7 +25,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     try:
-        src = drafter_dir(args.run)
+        src = find_drafter(args.run)
         method = drafter_method(src)
         out = export(src, args.fmt, args.out, overwrite=args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as e:

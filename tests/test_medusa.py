@@ -72,7 +72,7 @@ def tiny_llama(vocab: int = 96, seed: int = 0) -> LlamaForCausalLM:
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A tiny Llama with a real BPE tokenizer and chat template, saved like any HF model."""
     out = tmp_path_factory.mktemp("tiny-target")
-    tok = train_bpe([f.text for f in stdlib_files()[:6]], 300)
+    tok = train_bpe([f.text for f in stdlib_files()[:2]], 300)
     model = tiny_llama(len(tok))
     model.config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

@@ -42,12 +42,24 @@ def test_target_recipe_runs_end_to_end(tmp_path):
     figures = target_script.main([
         "model.vocab_size=512", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4",
         "model.num_kv_heads=2", "model.intermediate_size=64", "data.seq_len=128", "data.heldout_rows=8",
-        "loop.max_steps=2", "loop.batch_size=2", "loop.save_every=1", f"loop.output_dir={tmp_path / 'run'}",
-        f"publish_to={tmp_path / 'target'}", f"benchmark_out={tmp_path / 'bench.json'}"])
+        "data.max_files=20", "loop.max_steps=2", "loop.batch_size=2", "loop.save_every=1",
+        f"loop.output_dir={tmp_path / 'run'}", f"publish_to={tmp_path / 'target'}",
+        f"benchmark_out={tmp_path / 'bench.json'}", f"prompts_out={tmp_path / 'prompts.jsonl'}"])
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
     assert model.config.num_hidden_layers == 2
     assert json.loads((tmp_path / "bench.json").read_text())["heldout_loss"] == figures["heldout_loss"]
     assert "held-out loss" in (tmp_path / "target" / "README.md").read_text()
+    assert len(load_prompts(tmp_path / "prompts.jsonl")) >= 200
+
+    # A second stage continues from the published weights and counts the tokens of both stages.
+    again = target_script.main([
+        f"init_from={tmp_path / 'target'}", "data.seq_len=128", "data.heldout_rows=8", "data.max_files=20",
+        "loop.max_steps=1", "loop.batch_size=2", f"loop.output_dir={tmp_path / 'run2'}",
+        f"publish_to={tmp_path / 'target'}", f"benchmark_out={tmp_path / 'bench.json'}",
+        f"prompts_out={tmp_path / 'prompts.jsonl'}"])
+    stages = json.loads((tmp_path / "target" / "training.json").read_text())["stages"]
+    assert len(stages) == 2 and again["tokens_seen"] == figures["tokens_seen"] + 2 * 128
+    assert again["heldout_loss"] != figures["heldout_loss"]
 
 
 committed = pytest.mark.skipif(not (REFERENCE_TARGET / "model.safetensors").is_file(),

@@ -188,7 +188,7 @@ class Loop:
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(run_config or {}, sort_keys=False))
-            (self.run_dir / "command.txt").write_text(" ".join([sys.executable, *sys.argv]) + "\n")
+            (self.run_dir / "command.txt").write_text(" ".join(["python", *sys.argv]) + "\n")
         if tracker:
             self.accelerator.init_trackers(cfg.project, config=_flat(run_config or {}))
         if cfg.resume == "auto" and checkpoints(self.run_dir):

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.chat import tokenize_example
 from draftsmith.data.packing import pack
@@ -52,6 +52,7 @@ class Shape:
 class Data:
     seq_len: int = 512
     heldout_rows: int = 256  # rows of held-out data scored at each checkpoint (0: all)
+    max_files: int = 0  # train on the first N training files only (quick runs); 0: all
 
 
 @dataclasses.dataclass
@@ -59,8 +60,10 @@ class Recipe:
     model: Shape = dataclasses.field(default_factory=Shape)
     data: Data = dataclasses.field(default_factory=Data)
     loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
+    init_from: str = ""  # continue training a published target (its tokenizer and weights) instead of starting afresh
     publish_to: str = ""  # copy the best checkpoint here, with a model card and benchmark figures
     benchmark_out: str = "benchmarks/reference_target.json"
+    prompts_out: str = "data/reference_prompts.jsonl"  # held-out chat prompts, written on publishing
 
 
 def raw_rows(tokenizer, texts: list[str], seq_len: int) -> list[dict]:
@@ -78,6 +81,19 @@ def chat_rows(tokenizer, files, seq_len: int) -> list[dict]:
     return pack([e for e in examples if len(e["input_ids"]) <= seq_len], seq_len, tokenizer.pad_token_id)
 
 
+def new_target(s: Shape, tokenizer) -> LlamaForCausalLM:
+    """A freshly initialised Llama of shape `s` whose generation stops at the end of a turn."""
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
+        max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=[tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id))
+    model.generation_config = GenerationConfig(eos_token_id=model.config.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    return model
+
+
 def heldout_rows(tokenizer, files, seq_len: int, limit: int = 0) -> dict[str, list[dict]]:
     """Held-out rows by kind; with `limit`, a fixed proportionate selection of about that many."""
     held = [f for f in files if f.split == "heldout"]
@@ -90,8 +106,11 @@ def heldout_rows(tokenizer, files, seq_len: int, limit: int = 0) -> dict[str, li
 
 def build_data(cfg: Recipe):
     files = stdlib_files()
-    train_files = [f for f in files if f.split == "train"]
-    tokenizer = train_bpe((f.text for f in train_files), cfg.model.vocab_size)
+    train_files = [f for f in files if f.split == "train"][: cfg.data.max_files or None]
+    if cfg.init_from:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.init_from)
+    else:
+        tokenizer = train_bpe((f.text for f in train_files), cfg.model.vocab_size)
     L = cfg.data.seq_len
     train = raw_rows(tokenizer, [f.text for f in train_files], L) + chat_rows(tokenizer, train_files, L)
     return tokenizer, files, train, heldout_rows(tokenizer, files, L, cfg.data.heldout_rows)
@@ -137,11 +156,16 @@ def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) 
     shutil.copytree(run_dir / "best", tmp)
     (tmp / "best.json").unlink()
     tokens_per_step = cfg.loop.batch_size * cfg.loop.grad_accum * cfg.data.seq_len
-    figures = {**measure(tmp, cfg.data.seq_len), "tokens_seen": best["step"] * tokens_per_step,
+    prior = Path(cfg.init_from) / "training.json"
+    stages = json.loads(prior.read_text())["stages"] if cfg.init_from and prior.is_file() else []
+    stages.append({"command": (run_dir / "command.txt").read_text().strip(), "best_step": best["step"],
+                   "tokens": best["step"] * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1)})
+    (tmp / "training.json").write_text(json.dumps({"stages": stages}, indent=2) + "\n")
+    figures = {**measure(tmp, cfg.data.seq_len), "tokens_seen": sum(st["tokens"] for st in stages),
                "best_step": best["step"], "train_tokens_per_epoch": train_tokens,
                "train_tokens_per_s": round(tokens_per_s, 1),
                "path": str(dest.resolve().relative_to(REPO)) if dest.resolve().is_relative_to(REPO) else str(dest),
-               "command": (run_dir / "command.txt").read_text().strip()}
+               "command": " && ".join(st["command"] for st in stages)}
     (tmp / "README.md").write_text(MODEL_CARD.format(**figures, layers=cfg.model.num_layers,
                                                      hidden=cfg.model.hidden_size, vocab=cfg.model.vocab_size))
     shutil.rmtree(dest, ignore_errors=True)
@@ -179,16 +203,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     cfg = C.load(Recipe, args.config, args.overrides)
 
     tokenizer, files, train, heldout = build_data(cfg)
-    s = cfg.model
     torch.manual_seed(cfg.loop.seed)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads, intermediate_size=s.intermediate_size,
-        max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=[tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id))
-    model.generation_config = GenerationConfig(eos_token_id=model.config.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    model = LlamaForCausalLM.from_pretrained(cfg.init_from) if cfg.init_from else new_target(cfg.model, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"target: {n_params / 1e6:.2f}M params; train rows {len(train)} x {cfg.data.seq_len}; "
           f"held-out rows {sum(map(len, heldout.values()))}")
@@ -199,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.publish_to and loop.accelerator.is_main_process:
         rows = [json.loads(line) for line in open(loop.run_dir / "metrics.jsonl")]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-        write_heldout_prompts(files)
+        write_heldout_prompts(files, Path(cfg.prompts_out))
         figures = publish(cfg, loop.run_dir, len(train) * cfg.data.seq_len, sum(speeds) / max(1, len(speeds)))
         print(json.dumps(figures, indent=2))
         return figures

@@ -76,11 +76,11 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     new = 0
     while new < max_new_tokens:
         t0 = _clock(device)
-        tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1)
+        tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1).to(device)
         t1 = _clock(device)
         cache_len = cache.get_seq_length()
-        tokens = torch.cat([ids[-1:], tree.tokens.to(device)])[None]  # [1, n+1]: root, nodes
-        out = target(input_ids=tokens, position_ids=position_ids(tree.parents, cache_len).to(device),
+        tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
+        out = target(input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
                      attention_mask=attention_masks(target.config, tree.parents, cache_len, dtype),
                      cache=cache, use_cache=True, output_hidden_states=bool(layers))
         logits = out.logits[0]  # [n+1, V]

@@ -30,6 +30,7 @@ with the target's first E layers and may keep their cache itself.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,20 @@ class DraftModel(Proposer):
             feed = torch.tensor([x], device=ids.device)
         self.cached = torch.cat([ids.cpu(), torch.tensor(tokens[:-1], dtype=torch.long)])
         return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def truncated_copy(target, layers: int) -> torch.nn.Module:
+    """The target's first `layers` decoder layers + final norm + LM head, as a standalone model."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    if missing:
+        raise ValueError(f"truncated copy: weights missing from the target: {missing[:3]}")
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.to(target.device).eval()
 
 
 def check_same_tokenizer(draft_tok, target_tok, where: str) -> None:

@@ -66,6 +66,9 @@ class DraftTree:
                    torch.tensor(parents, dtype=torch.long, device=device))
         return tree, nodes_of
 
+    def to(self, device: torch.device | str) -> DraftTree:
+        return DraftTree(self.tokens.to(device), self.parents.to(device), None if self.q is None else self.q.to(device))
+
     @property
     def depth(self) -> torch.Tensor:
         """Depth of every node, 1 for children of the root. [n] long."""

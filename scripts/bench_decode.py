@@ -15,7 +15,6 @@ both see the same machine load.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -27,23 +26,10 @@ from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.metrics import DecodeStats
-from draftsmith.decoding.proposers import DraftModel, Lookahead, PromptLookup
+from draftsmith.decoding.proposers import DraftModel, Lookahead, PromptLookup, truncated_copy
 from draftsmith.models.target import REFERENCE_TARGET
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def truncated_copy(target, layers: int):
-    """The target's first `layers` decoder layers + final norm + LM head, as a standalone model."""
-    config = target.config.__class__(**{**target.config.to_dict(), "num_hidden_layers": layers})
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
-    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
-    if missing:
-        raise ValueError(f"truncated copy: weights missing from the target: {missing[:3]}")
-    draft.generation_config = copy.deepcopy(target.generation_config)
-    return draft.to(target.device).eval()
 
 
 def clock(device) -> float:

@@ -25,6 +25,35 @@ from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
 from draftsmith.decoding.tree import position_ids, tree_attention_mask
 from draftsmith.decoding.verify import Sampling, verify
 
+# Architectures whose causal-LM head is exactly lm_head (+ Gemma's final logit soft-capping), read from
+# their transformers source; for these the decoder applies the head lazily. Others run their full forward.
+PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text"}
+
+
+class LazyLogits:
+    """Target logits over [root, nodes], one row [V] computed on first access.
+
+    A verification step only needs the rows its accept rule visits (accepted nodes + 1), and the LM
+    head over a large vocabulary is a sizeable share of a small target's forward.
+    """
+
+    def __init__(self, target, hidden: torch.Tensor):
+        self.hidden, self.head = hidden, target.get_output_embeddings()  # hidden [n+1, H]
+        self.cap = getattr(target.config, "final_logit_softcapping", None)
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            logits = self.head(self.hidden[i])  # [V]
+            self.rows[i] = logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+        return self.rows[i]
+
+    def full(self) -> torch.Tensor:
+        return torch.stack([self[i] for i in range(len(self))])  # [n+1, V]
+
 
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
@@ -64,6 +93,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     stats = stats or DecodeStats()
     device, dtype = input_ids.device, target.dtype
     eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
+    lazy = target.config.model_type in PLAIN_HEAD
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()
@@ -80,10 +110,11 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
         t1 = _clock(device)
         cache_len = cache.get_seq_length()
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
-        out = target(input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
-                     attention_mask=attention_masks(target.config, tree.parents, cache_len, dtype),
-                     cache=cache, use_cache=True, output_hidden_states=bool(layers))
-        logits = out.logits[0]  # [n+1, V]
+        out = (target.base_model if lazy else target)(
+            input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
+            attention_mask=attention_masks(target.config, tree.parents, cache_len, dtype),
+            cache=cache, use_cache=True, output_hidden_states=bool(layers))
+        logits = LazyLogits(target, out.last_hidden_state[0]) if lazy else out.logits[0]  # [n+1, V] rows
         path, bonus = verify(tree, logits, sampling, rule)
         kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
         kv.keep(cache, cache_len, kept)

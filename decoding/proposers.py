@@ -18,8 +18,8 @@ The protocol (every drafter, trained or not, implements it and plugs into the sa
   hidden states at `hidden_layers` for the m tokens the target just processed and kept: the prompt
   but its last token after the prefill, the root and the accepted path after a verification. Row j
   is the state at ids[t - 1 - m + j]: the last committed token (the bonus) has no state yet.
-  `verified.logits` [n+1, V] are the target logits over [root, nodes] and `verified.path` the
-  accepted node indices.
+  `verified.logits[i]` is the target's logits row [V] at [root, nodes][i] (rows are computed on
+  first access) and `verified.path` holds the accepted node indices.
 
 How the trained drafters use it: Medusa takes hidden[-1, -1] (last hidden state, after the final
 norm, at the last accepted position) and proposes its static tree below the bonus token. EAGLE-1/3
@@ -49,7 +49,7 @@ class Verified:
 
     tree: DraftTree | None  # None after the prefill
     path: list[int]  # accepted node indices, root to leaf
-    logits: torch.Tensor | None  # [n+1, V] target logits over [root, nodes]
+    logits: object | None  # target logits over [root, nodes]: logits[i] is row i [V] (computed on access)
     hidden: torch.Tensor | None  # [k, m, H] target hidden states of the m tokens just cached
 
 
@@ -200,15 +200,15 @@ class Lookahead(Proposer):
     def accept(self, ids: torch.Tensor, verified: Verified) -> None:
         if verified.tree is None:
             return
-        tree, best = verified.tree, verified.logits.argmax(-1).tolist()  # [n+1]
-        x, out, node = [self.root], [best[0]], -1  # out[i]: target's next token after x[0..i]
+        tree, logits = verified.tree, verified.logits
+        x, out, node = [self.root], [int(logits[0].argmax())], -1  # out[i]: target's next token after x[0..i]
         for tok in self.window:
             match = [c for c in tree.children(node) if int(tree.tokens[c]) == tok]
             if not match:
                 break
             node = match[0]
             x.append(tok)
-            out.append(best[node + 1])
+            out.append(int(logits[node + 1].argmax()))
         for i in range(self.N - 2, len(x)):
             gram = x[i - self.N + 2: i + 1] + [out[i]]
             bucket = self.pool.setdefault(gram[0], [])

@@ -79,22 +79,21 @@ def _children(tree: DraftTree) -> list[list[int]]:
     return kids
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Follow children equal to the target's argmax. logits [n+1, V]."""
-    best = logits.argmax(-1).tolist()  # [n+1]
+def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
+    """Follow children equal to the target's argmax. logits: rows [V] indexable 0..n."""
     tokens, kids = tree.tokens.tolist(), _children(tree)
     path, node = [], -1
     while True:
-        match = [c for c in kids[node + 1] if tokens[c] == best[node + 1]]
+        best = int(logits[node + 1].argmax())
+        match = [c for c in kids[node + 1] if tokens[c] == best]
         if not match:
-            return path, best[node + 1]
+            return path, best
         node = match[0]
         path.append(node)
 
 
-def accept_exact(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None = None
-                 ) -> tuple[list[int], int]:
-    """Multi-round rejection sampling over siblings (SpecInfer); p [n+1, V] warped target probabilities."""
+def accept_exact(tree: DraftTree, p, generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Multi-round rejection sampling over siblings (SpecInfer); p: rows [V] of warped target probabilities."""
     tokens, kids = tree.tokens.tolist(), _children(tree)
     path, node = [], -1
     while True:
@@ -135,9 +134,10 @@ def accept_typical(tree: DraftTree, p: torch.Tensor, epsilon: float = 0.09, delt
     return path, sample(p[path[-1] + 1 if path else 0], generator)
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, sampling: Sampling, rule: str = "auto",
+def verify(tree: DraftTree, logits, sampling: Sampling, rule: str = "auto",
            typical: tuple[float, float] = (0.09, 0.3)) -> tuple[list[int], int]:
-    """Apply an accept rule to the target's logits [n+1, V] over [root, nodes].
+    """Apply an accept rule to the target's logits over [root, nodes]: a [n+1, V] tensor or lazy rows
+    (`generate.LazyLogits`); only the rows the rule visits are computed.
 
     rule "auto" is greedy at temperature 0 and exact otherwise; `typical` = (epsilon, delta).
     """
@@ -145,7 +145,19 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampling: Sampling, rule: str 
         raise ValueError(f"unknown accept rule {rule!r}; choose one of {RULES}")
     if rule == "greedy" or (rule == "auto" and sampling.greedy):
         return accept_greedy(tree, logits)
-    p = warp(logits, sampling)  # [n+1, V]
     if rule == "typical":
-        return accept_typical(tree, p, *typical, generator=sampling.generator)
-    return accept_exact(tree, p, sampling.generator)
+        full = logits.full() if hasattr(logits, "full") else logits  # [n+1, V]
+        return accept_typical(tree, warp(full, sampling), *typical, generator=sampling.generator)
+    return accept_exact(tree, _Warped(logits, sampling), sampling.generator)
+
+
+class _Warped:
+    """Rows of warp(logits[i]), computed on first access."""
+
+    def __init__(self, logits, sampling: Sampling):
+        self.logits, self.sampling, self.rows = logits, sampling, {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            self.rows[i] = warp(self.logits[i], self.sampling)  # [V]
+        return self.rows[i]

@@ -18,7 +18,9 @@ hard-coded separator:
     `<think>` blocks, Mistral v0.3 moves the system prompt to the last user turn) raises
     `TemplateMismatch` instead of producing a wrong mask.
 The full conversation is tokenized once; a token is trained when its characters overlap an
-assistant span.
+assistant span (as in transformers' `return_assistant_tokens_mask`). So a token that crosses
+the boundary, e.g. '\n    ' when the generation prompt ends in '\n' and the answer starts with
+indentation, is trained: the answer's first token is never lost.
 """
 
 from __future__ import annotations

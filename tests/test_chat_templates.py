@@ -23,7 +23,7 @@ from draftsmith.data.chat import (
     tokenize_example,
     tokenize_messages,
 )
-from draftsmith.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+from draftsmith.data.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_bpe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 
@@ -220,3 +220,16 @@ def test_mask_from_spans_matches_the_overlap_rule():
     # (3, 5) straddles the start, (9, 9) sits on an end (outside), (14, 14) on a start (inside).
     assert mask_from_spans(offsets, spans) == [0, 0, 1, 1, 0, 0, 0, 1, 1]
     assert mask_from_spans(offsets, []) == [0] * len(offsets)
+
+
+def test_a_token_across_the_turn_boundary_is_trained():
+    """An answer that starts with indentation after a prompt ending in '\\n' tokenizes as one '\\n    '
+    token (as in the reference target's tokenizer); it overlaps the answer, so it is trained, like
+    transformers' `return_assistant_tokens_mask` does, and the answer's first token is never lost."""
+    tokenizer = train_bpe(["def f(a):\n    return a\n    pass\n"] * 20, vocab_size=300)
+    answer = "    return a + b"
+    out = tokenize_messages(tokenizer, [{"role": "user", "content": "def add(a, b):"},
+                                        {"role": "assistant", "content": answer}])
+    (trained,) = runs(out["input_ids"], out["loss_mask"], 1)
+    assert tokenizer.convert_ids_to_tokens(trained[0]) == "ĊĠĠĠ"
+    assert tokenizer.decode(trained) == "\n" + answer + "<|end|>"

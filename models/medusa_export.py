@@ -5,7 +5,9 @@ medusa  the original release layout: config.json {medusa_num_heads, medusa_num_l
         (ResBlock j of head h) and "{h}.{L}.weight" (its vocabulary projection).
 tgi     TGI's reading of that layout: the same files; the config carries no `architectures`
         (TGI would take it for another speculator), ResBlock biases are required, and
-        medusa_num_layers must be 1 (TGI's MedusaHeadV2 fallback asserts it).
+        medusa_num_layers must be 1 (TGI's MedusaHeadV2 fallback asserts it). The loader is TGI's
+        MedusaHeadV1 reading (per-head projections); the V2 fallback projects with the base LM head,
+        which equals ours only for heads trained with share_lm_head.
 vllm    vLLM's `model_type: medusa` draft model: config.json {num_heads, num_hidden_layers,
         hidden_size, vocab_size, truncated_vocab_size, medusa_fc_bias, original_lm_head, ...};
         model.safetensors with blocks.{h}.layers.{j}.weight|bias and lm_heads.{h}.weight

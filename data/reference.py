@@ -2,7 +2,8 @@
 
 Files are split train / held-out by a stable hash of their path relative to the stdlib root
 (about 95/5). Two kinds of examples come from each file: the raw file, and chat examples
-built with `ast` (user: a function or class header with its docstring; assistant: its body).
+built with `ast` (user: a function or class header with its docstring; assistant: a newline, then
+its body, as the code continues after the docstring).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def chat_examples(source: SourceFile) -> list[dict]:
                        for line in body.splitlines(keepends=True))
         if body.strip() and len(body) <= MAX_BODY_CHARS:
             examples.append({"messages": [{"role": "user", "content": header.rstrip("\n")},
-                                          {"role": "assistant", "content": body.rstrip("\n")}],
+                                          {"role": "assistant", "content": "\n" + body.rstrip("\n")}],
                              "source": f"{source.relpath}:{node.lineno}"})
     return examples
 

@@ -11,15 +11,18 @@ EOS, USER, ASSISTANT, SYSTEM, END = "<|endoftext|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [EOS, USER, ASSISTANT, SYSTEM, END]
 
 # Assistant turns are wrapped in {% generation %} so that the loss mask comes from the template.
+# The generation prompt ends with the special token itself: anything after it (a newline, say) is
+# the assistant's to produce, so that byte-level BPE merges it with what follows exactly as in
+# training (a prompt ending in a lone "\n" token would be a sequence the target never saw).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"
-    "{{ '<|assistant|>\n' }}{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] + '<|end|>' }}{% endgeneration %}{{ '\n' }}"
     "{%- else -%}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )
 
 

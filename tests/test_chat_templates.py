@@ -223,10 +223,12 @@ def test_mask_from_spans_matches_the_overlap_rule():
 
 
 def test_a_token_across_the_turn_boundary_is_trained():
-    """An answer that starts with indentation after a prompt ending in '\\n' tokenizes as one '\\n    '
-    token (as in the reference target's tokenizer); it overlaps the answer, so it is trained, like
+    """An answer that starts with indentation after a header ending in '\\n' (outside the generation
+    block) tokenizes as one '\\n    ' token; it overlaps the answer, so it is trained, like
     transformers' `return_assistant_tokens_mask` does, and the answer's first token is never lost."""
     tokenizer = train_bpe(["def f(a):\n    return a\n    pass\n"] * 20, vocab_size=300)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("'<|assistant|>' }}{% generation %}",
+                                                    "'<|assistant|>\\n' }}{% generation %}")
     answer = "    return a + b"
     out = tokenize_messages(tokenizer, [{"role": "user", "content": "def add(a, b):"},
                                         {"role": "assistant", "content": answer}])

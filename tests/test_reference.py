@@ -35,7 +35,20 @@ def test_chat_examples_pair_header_and_docstring_with_the_body():
     (ex,) = chat_examples(SourceFile("box.py", SNIPPET))
     user, assistant = ex["messages"]
     assert user["content"] == '@staticmethod\ndef area(w, h):\n    """Area of a w x h box."""'
-    assert assistant["content"] == "    if w < 0:\n        raise ValueError(w)\n    return w * h"
+    assert assistant["content"] == "\n    if w < 0:\n        raise ValueError(w)\n    return w * h"
+
+
+def test_generation_prompt_tokenizes_as_the_training_text_does():
+    """The prompt must end where training text has a token boundary (no lone newline token)."""
+    from draftsmith.data.chat import tokenize_messages
+    from draftsmith.data.tokenizer import train_bpe
+
+    tok = train_bpe([f.text for f in stdlib_files()[:30]], 400)
+    (ex,) = chat_examples(SourceFile("box.py", SNIPPET))
+    full = tokenize_messages(tok, ex["messages"])["input_ids"]
+    prompt = tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=True,
+                                     return_dict=True)["input_ids"]
+    assert full[: len(prompt)] == list(prompt)
 
 
 def test_target_recipe_runs_end_to_end(tmp_path):

@@ -66,6 +66,15 @@ class Target(nn.Module):
         return torch.tanh(logits / cap) * cap if cap else logits
 
 
+@dataclass
+class TargetConfig:
+    """The `target` section of every recipe."""
+
+    path: str = str(REFERENCE_TARGET)  # a local Hugging Face model directory or a hub id
+    dtype: str = "float32"
+    trust_remote_code: bool = False  # off unless a recipe turns it on
+
+
 def load_target(path: str | Path = REFERENCE_TARGET, dtype: torch.dtype | str = torch.float32,
                 trust_remote_code: bool = False, frozen: bool = True) -> Target:
     """Tokenizer + `AutoModelForCausalLM` from a local dir or hub id; every parameter frozen by default."""

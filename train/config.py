@@ -186,3 +186,15 @@ def to_dict(cfg) -> dict:
     def walk(d):
         return {k: walk(v) if isinstance(v, dict) else plain(v) for k, v in d.items()}
     return walk(out)
+
+
+def from_command_line(cls, default_recipe: str | Path, argv: list[str] | None, doc: str | None):
+    """The entry scripts' command line: `--config RECIPE.yaml` then dotted `key=value` overrides."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(default_recipe), help="YAML recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. loop.max_steps=10")
+    args = parser.parse_args(argv)
+    return load(cls, args.config, args.overrides)

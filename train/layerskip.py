@@ -11,7 +11,6 @@ the best checkpoint is kept by `loop.best_metric` (tau at `eval.select_exit` by 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -23,18 +22,11 @@ from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import EarlyExit, LayerSkip, LayerSkipConfig
-from draftsmith.models.target import REFERENCE_TARGET, load_target
+from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclasses.dataclass
-class TargetConfig:
-    path: str = str(REFERENCE_TARGET)
-    dtype: str = "float32"
-    trust_remote_code: bool = False
 
 
 @dataclasses.dataclass
@@ -91,12 +83,7 @@ def evaluate_checkpoint(method: LayerSkip, heldout: list[dict], prompts: list[to
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "recipes/layerskip/tiny-code.yaml"))
-    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. loop.max_steps=10")
-    args = parser.parse_args(argv)
-    cfg = C.load(Recipe, args.config, args.overrides)
+    cfg = C.from_command_line(Recipe, REPO / "recipes/layerskip/tiny-code.yaml", argv, __doc__)
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code, frozen=cfg.layerskip.lora)

@@ -10,7 +10,6 @@ card and `benchmarks/reference_target.json`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -195,12 +194,7 @@ Reproduce: `{command}`
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "recipes/target/tiny-code.yaml"))
-    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. loop.max_steps=10")
-    args = parser.parse_args(argv)
-    cfg = C.load(Recipe, args.config, args.overrides)
+    cfg = C.from_command_line(Recipe, REPO / "recipes/target/tiny-code.yaml", argv, __doc__)
 
     tokenizer, files, train, heldout = build_data(cfg)
     torch.manual_seed(cfg.loop.seed)

@@ -168,3 +168,32 @@ def test_bad_inputs_fail_clearly():
         check_same_tokenizer(Tok({"a": 0}), Tok({"b": 0}), "draft")
     with pytest.raises(ValueError, match="'ngram'"):
         load_proposer("no/such/dir", target)
+
+
+class Checked(Proposer):
+    """Wraps a DraftModel; every proposal must equal the draft model's greedy chain computed without a cache."""
+
+    def __init__(self, inner: DraftModel):
+        self.inner, self.proposals = inner, 0
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, ids, sampling):
+        tree = self.inner.propose(ids, sampling)
+        seq = ids.clone()
+        with torch.no_grad():
+            for tok in tree.tokens.tolist():
+                assert tok == int(self.inner.model(input_ids=seq[None]).logits[0, -1].argmax())
+                seq = torch.cat([seq, torch.tensor([tok])])
+        self.proposals += 1
+        return tree
+
+
+def test_draft_model_cache_rollback_matches_a_fresh_forward():
+    target, draft = build("llama"), build("llama", seed=1)
+    checked = Checked(DraftModel(draft, V, gamma=3))
+    for seed in (9, 10):  # two sequences: reset between them must clear the draft cache
+        out, _ = speculative_generate(target, checked, prompt(seed), NEW)
+        assert torch.equal(out, reference(target, prompt(seed), min_new_tokens=NEW))
+    assert checked.proposals >= 2 * NEW // 4

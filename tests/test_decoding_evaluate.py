@@ -54,7 +54,8 @@ def run_script(*argv: str) -> dict:
 def test_render_prompts_uses_the_chat_template_for_messages(tiny):
     _, tokenizer, _ = tiny
     chat, raw = render_prompts(tokenizer, PROMPTS)
-    assert tokenizer.decode(chat[0]).endswith("<|assistant|>\n")
+    rendered = tokenizer.apply_chat_template(PROMPTS[0]["messages"], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(chat[0]) == rendered and rendered.rstrip("\n").endswith("<|assistant|>")
     assert tokenizer.decode(raw[0]) == PROMPTS[1]["prompt"]
     with pytest.raises(ValueError, match="'messages'"):
         render_prompts(tokenizer, [{"text": "x"}])

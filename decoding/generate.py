@@ -110,9 +110,10 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
         t1 = _clock(device)
         cache_len = cache.get_seq_length()
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
-        out = (target.base_model if lazy else target)(
+        chain = bool((tree.parents == torch.arange(-1, len(tree) - 1, device=device)).all())
+        out = (target.base_model if lazy else target)(  # a chain needs no tree mask: the model's causal one
             input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
-            attention_mask=attention_masks(target.config, tree.parents, cache_len, dtype),
+            attention_mask=None if chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))
         logits = LazyLogits(target, out.last_hidden_state[0]) if lazy else out.logits[0]  # [n+1, V] rows
         path, bonus = verify(tree, logits, sampling, rule)

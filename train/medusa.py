@@ -12,7 +12,6 @@ decoder (greedy, so lossless); recipes keep the best checkpoint by tau.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Literal
@@ -31,18 +30,11 @@ from draftsmith.models.medusa import (
     rank_accuracy,
     verifier_model,
 )
-from draftsmith.models.target import REFERENCE_TARGET, load_target
+from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclasses.dataclass
-class TargetConfig:
-    path: str = str(REFERENCE_TARGET)
-    dtype: str = "float32"
-    trust_remote_code: bool = False
 
 
 def _data_default() -> DataConfig:
@@ -127,12 +119,7 @@ def evaluate_checkpoint(method: Medusa, heldout: list[dict], decode, cfg: EvalCo
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "recipes/medusa/medusa1-tiny-code.yaml"))
-    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. loop.max_steps=10")
-    args = parser.parse_args(argv)
-    cfg = C.load(Recipe, args.config, args.overrides)
+    cfg = C.from_command_line(Recipe, REPO / "recipes/medusa/medusa1-tiny-code.yaml", argv, __doc__)
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)

@@ -172,7 +172,7 @@ def test_layerskip_recipe_trains_measures_tau_per_exit_and_records_the_best(tiny
 
     loop = script.main(["--config", "recipes/layerskip/tiny-code.yaml", f"target.path={tiny_chat_target}",
                         f"loop.output_dir={tmp_path}", "loop.max_steps=4", "loop.save_every=2", "loop.batch_size=2",
-                        "data.limit=24", "data.max_length=256", "data.cache=false", "data.on_no_assistant=drop", "eval.heldout_examples=4",
+                        "data.limit=24", "data.max_length=256", "data.cache=false", "data.on_no_assistant=drop", "data.overlong=truncate", "eval.heldout_examples=4",
                         "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.exit_layers=[1, 2]",
                         "loop.best_metric=tau_exit1"])
     assert loop.state.step == 4

@@ -16,8 +16,6 @@ from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.decoding.proposers import truncated_copy
 from draftsmith.models.target import REFERENCE_TARGET
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_TARGET / "config.json").is_file(),
-                                reason="the reference target is not built yet (accelerate launch train/target.py)")
 NEW = 32
 
 

@@ -129,13 +129,21 @@ class DraftModel(Proposer):
 
 
 def truncated_copy(target, layers: int) -> torch.nn.Module:
-    """The target's first `layers` decoder layers + final norm + LM head, as a standalone model."""
+    """The target cut after its first `layers` decoder layers (final norm and LM head kept).
+
+    Built through the target's own class from its config with fewer layers, so it runs the normal
+    Hugging Face forward with its own KV cache; every weight is the target's own Parameter (shared,
+    not copied), so it follows the target while that trains (LayerSkip) and costs no memory.
+    """
+    L = target.config.num_hidden_layers
+    if not 1 <= layers < L:
+        raise ValueError(f"exit layer {layers} must be in 1..{L - 1} for a {L}-layer target")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
+    if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
-    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    draft = type(target)(config)
+    missing, _ = draft.load_state_dict(target.state_dict(keep_vars=True), strict=False, assign=True)
     if missing:
         raise ValueError(f"truncated copy: weights missing from the target: {missing[:3]}")
     draft.generation_config = copy.deepcopy(target.generation_config)

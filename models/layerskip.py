@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from draftsmith.decoding.proposers import DraftModel
+from draftsmith.decoding.proposers import DraftModel, truncated_copy
 from draftsmith.models.lm import masked_ce
 from draftsmith.train.config import ConfigError
 
@@ -180,41 +180,15 @@ class LayerSkip(nn.Module):
     def load_extra_state(self, state: dict) -> None:
         self.curriculum.load_state_dict(state["curriculum"])
 
+    def plain_model(self) -> nn.Module:
+        """The model as a plain Hugging Face model: with LoRA, a merged copy (training keeps its adapters)."""
+        return copy.deepcopy(self.model).merge_and_unload() if self.cfg.lora else self.model
+
     def save_pretrained(self, out: Path) -> None:
-        """A plain Hugging Face model directory (LoRA merged into a copy), usable with assistant_early_exit."""
-        model = copy.deepcopy(self.model).merge_and_unload() if self.cfg.lora else self.model
-        model.save_pretrained(out)
+        """A plain Hugging Face model directory, usable with assistant_early_exit."""
+        self.plain_model().save_pretrained(out)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
-
-
-def early_exit_model(model: nn.Module, exit_layer: int) -> nn.Module:
-    """The same model cut after `exit_layer` layers (final norm and LM head kept), sharing every weight.
-
-    Built through the model's own class from a copy of its config with fewer layers, so the draft
-    runs the normal Hugging Face forward with its own KV cache.
-    """
-    L = model.config.num_hidden_layers
-    if not 1 <= exit_layer < L:
-        raise ValueError(f"exit layer {exit_layer} must be in 1..{L - 1} for a {L}-layer target")
-    cfg = copy.deepcopy(model.config)
-    cfg.num_hidden_layers = exit_layer
-    if isinstance(getattr(cfg, "layer_types", None), list):
-        cfg.layer_types = cfg.layer_types[:exit_layer]
-    with torch.device("meta"):
-        draft = type(model)(cfg)
-    prefix = next(n for n, m in model.named_modules() if m is decoder_layers(model)) + "."
-
-    def kept(name: str) -> bool:
-        return not name.startswith(prefix) or int(name[len(prefix):].split(".")[0]) < exit_layer
-
-    draft.load_state_dict({k: v for k, v in model.state_dict(keep_vars=True).items() if kept(k)},
-                          assign=True, strict=True)
-    for name, buf in model.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in state_dict
-        if kept(name):
-            owner, _, leaf = name.rpartition(".")
-            draft.get_submodule(owner)._buffers[leaf] = buf
-    return draft.eval()
 
 
 class EarlyExit(DraftModel):
@@ -227,7 +201,7 @@ class EarlyExit(DraftModel):
     """
 
     def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
-        super().__init__(early_exit_model(target, exit_layer), target.config.vocab_size, gamma)
+        super().__init__(truncated_copy(target, exit_layer), target.config.vocab_size, gamma)
         self.exit_layer = exit_layer
 
 

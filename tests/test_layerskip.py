@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from draftsmith.decoding import speculative_generate
+from draftsmith.decoding.proposers import truncated_copy
 from draftsmith.models.layerskip import (
     Curriculum,
     EarlyExit,
@@ -26,7 +27,6 @@ from draftsmith.models.layerskip import (
     LayerSkipConfig,
     decoder_layers,
     dropout_rates,
-    early_exit_model,
     final_norm,
 )
 from draftsmith.models.lm import masked_ce
@@ -51,9 +51,9 @@ TINY = {
 
 
 @pytest.mark.parametrize("arch", sorted(TINY))
-def test_early_exit_model_is_the_first_layers_with_norm_and_head(arch):
+def test_truncated_copy_is_the_first_layers_with_norm_and_head_sharing_weights(arch):
     model = TINY[arch]()
-    draft = early_exit_model(model, 2)
+    draft = truncated_copy(model, 2)
     ids = torch.randint(0, 64, (1, 9))
     hidden = model(ids, output_hidden_states=True).hidden_states[2]  # output of layer 2
     expected = model.get_output_embeddings()(final_norm(model)(hidden))
@@ -64,7 +64,7 @@ def test_early_exit_model_is_the_first_layers_with_norm_and_head(arch):
 
 def test_exit_layer_out_of_range_is_a_clear_error():
     with pytest.raises(ValueError, match="exit layer 4 must be in 1..3"):
-        early_exit_model(llama(), 4)
+        truncated_copy(llama(), 4)
 
 
 @pytest.mark.parametrize("arch", sorted(TINY))
@@ -176,6 +176,14 @@ def test_layerskip_recipe_trains_measures_tau_per_exit_and_records_the_best(tiny
                         "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.exit_layers=[1, 2]",
                         "loop.best_metric=tau_exit1"])
     assert loop.state.step == 4
+    lora = script.main(["--config", "recipes/layerskip/tiny-code.yaml", f"target.path={tiny_chat_target}",
+                        f"loop.output_dir={tmp_path / 'lora'}", "loop.max_steps=2", "loop.save_every=2",
+                        "loop.batch_size=2", "data.limit=24", "data.max_length=256", "data.cache=false",
+                        "data.on_no_assistant=drop", "data.overlong=truncate", "eval.heldout_examples=4",
+                        "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.exit_layers=[1]",
+                        "loop.best_metric=tau_exit1", "layerskip.lora=true", "layerskip.lora_r=4"])
+    assert json.loads((tmp_path / "lora" / "best" / "drafter.json").read_text())["exit_layer"] == 1
+    assert lora.state.step == 2
     best = tmp_path / "best"
     info = json.loads((best / "drafter.json").read_text())
     assert info["exit_layer"] in (1, 2) and set(info["tau_by_exit"]) == {"1", "2"}

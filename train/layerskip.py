@@ -71,7 +71,7 @@ def evaluate_checkpoint(method: LayerSkip, heldout: list[dict], prompts: list[to
                         baselines: dict) -> dict:
     """Held-out per-exit scores, then tau and speedup of greedy self-speculation at every exit layer."""
     metrics = heldout_scores(method, heldout)
-    model = method.base
+    model = method.plain_model()  # the early-exit draft shares its weights
     for E in cfg.exit_layers if prompts else ():
         results = evaluate(model, EarlyExit(model, E, cfg.gamma), prompts, cfg.max_new_tokens, check_greedy=False,
                            baselines=baselines)

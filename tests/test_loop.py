@@ -164,3 +164,11 @@ def test_missing_tracker_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match="pip install wandb, or set loop.tracker=none"):
         Loop(loop_cfg(tmp_path, tracker="wandb"), tiny_method(), Recorder())
+
+
+def test_time_budget_stops_training_and_checkpoints(tmp_path):
+    # a budget far below one step's time: the loop stops after its first step and still saves it
+    state = Loop(loop_cfg(tmp_path, max_minutes=1e-9), tiny_method(), Recorder()).run()
+    assert state.step == 1 and state.train_seconds > 0
+    assert checkpoints(tmp_path)[-1].name == "checkpoint-1"
+    assert json.loads((tmp_path / "checkpoint-1" / "state.json").read_text())["train_seconds"] > 0

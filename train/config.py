@@ -28,6 +28,7 @@ class LoopConfig:
     seed: int = 0
     max_steps: int = 1000
     max_epochs: float = 1.0e9
+    max_minutes: float = 0.0  # stop once this much training time (evaluations excluded) is spent; 0: no limit
     batch_size: int = 8  # per device, per micro-step
     grad_accum: int = 1
     lr: float = 1e-3
@@ -51,6 +52,7 @@ class LoopConfig:
     def __post_init__(self):
         _check(self.max_steps > 0, "loop.max_steps", "must be > 0")
         _check(self.batch_size > 0, "loop.batch_size", "must be > 0")
+        _check(self.max_minutes >= 0, "loop.max_minutes", "must be >= 0 (0: no time limit)")
         _check(self.grad_accum > 0, "loop.grad_accum", "must be > 0")
         _check(self.lr > 0, "loop.lr", "must be > 0")
         _check(0 <= self.warmup_ratio < 1, "loop.warmup_ratio", "must be in [0, 1)")

@@ -56,6 +56,7 @@ class LoopState:
     micro_batch: int = 0  # micro-batches of this epoch already consumed (all ranks together)
     best_value: float | None = None
     evals_since_best: int = 0
+    train_seconds: float = 0.0  # wall time spent in training steps (evaluations and saves excluded)
 
 
 class EpochSampler:
@@ -287,6 +288,7 @@ class Loop:
         self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
                         dynamic_ncols=True, leave=False)
         while self.state.step < cfg.max_steps:
+            t_step = time.perf_counter()
             metrics_step: dict[str, float] = {}
             losses = []
             for micro in range(cfg.grad_accum):
@@ -317,6 +319,7 @@ class Loop:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
+            self.state.train_seconds += time.perf_counter() - t_step
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             window.setdefault("loss", []).append(loss.item())
@@ -328,6 +331,8 @@ class Loop:
                 row.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / dt, epoch=self.state.epoch)
                 self.log(row)
                 window, tokens, t0 = {}, 0, time.perf_counter()
+            if cfg.max_minutes and self._slowest_rank_seconds() >= 60 * cfg.max_minutes:
+                return self._finish(f"loop.max_minutes={cfg.max_minutes} of training time spent")
             if self.state.step % cfg.save_every == 0 or self.state.step == cfg.max_steps:
                 stop = self.checkpoint()
                 if stop:
@@ -335,6 +340,11 @@ class Loop:
                                         f"{cfg.early_stop_patience} evaluations")
                 t0 = time.perf_counter()
         return self._finish("max_steps reached")
+
+    def _slowest_rank_seconds(self) -> float:
+        """Training seconds of the slowest rank, so that every rank stops at the same step."""
+        seconds = torch.tensor([self.state.train_seconds], device=self.accelerator.device)
+        return float(self.accelerator.reduce(seconds, "max"))
 
     def checkpoint(self) -> bool:
         """Evaluate, save, and say whether early stopping is due."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 # module that registers the formats of each method, imported on first use
-PROVIDERS = {"medusa": "draftsmith.models.medusa_export"}
+PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill"}
 
 
 @dataclass(frozen=True)

@@ -264,3 +264,15 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
 def build_dataset(cfg: DataConfig, tokenizer) -> datasets.Dataset:
     """Rows of `input_ids` and `loss_mask` (+ `position_ids` when packed), cached on disk."""
     return prepare(cfg, tokenizer)[0]
+
+
+def heldout_rows(cfg: DataConfig, tokenizer, limit: int, path: str = "", split: str = "heldout") -> list[dict]:
+    """The first `limit` held-out examples as unpacked rows with position_ids, through the same pipeline as
+    `cfg` (the reference held-out split unless `path` names other data); an empty result is an error."""
+    held = dataclasses.replace(cfg, path=path, split=split, pack=False, limit=limit, overlong="truncate",
+                               on_no_assistant="drop")
+    rows = [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in build_dataset(held, tokenizer)]
+    if not rows:
+        raise ValueError("no held-out example to evaluate on; raise eval.heldout_examples or point the held-out "
+                         "path at data with assistant turns")
+    return rows

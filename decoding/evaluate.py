@@ -108,8 +108,9 @@ def flat_metrics(results: dict) -> dict[str, float]:
 
 def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = None, max_new_tokens: int = 64,
                               temperatures: tuple[float, ...] = (0.0,), num_prompts: int = 8, rule: str = "auto",
-                              check_greedy: bool = False) -> Callable[[torch.nn.Module, int], dict]:
-    """The training loop's `evaluate(method_module, step)`: tau of `method_module.proposer(target)`.
+                              check_greedy: bool = False, proposer_kwargs: dict | None = None
+                              ) -> Callable[[torch.nn.Module, int], dict]:
+    """The training loop's `evaluate(method_module, step)`: tau of `method_module.proposer(target, **proposer_kwargs)`.
 
     Prompts default to the reference target's held-out set; the first `num_prompts` are used (the
     evaluation's cost scales with num_prompts x max_new_tokens x len(temperatures); `eval_seconds`
@@ -125,7 +126,7 @@ def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = No
     def evaluate_checkpoint(method_module: torch.nn.Module, step: int) -> dict:
         was_training = method_module.training
         method_module.eval()
-        results = evaluate(target, method_module.proposer(target), ids, max_new_tokens, temperatures, rule,
+        results = evaluate(target, method_module.proposer(target, **(proposer_kwargs or {})), ids, max_new_tokens, temperatures, rule,
                            check_greedy, baselines)
         method_module.train(was_training)
         return flat_metrics(results)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator
 from draftsmith.models.medusa import (
@@ -74,14 +74,8 @@ class Recipe:
 
 def build_data(cfg: Recipe, tokenizer):
     """Training rows (packed per data.pack) and unpacked held-out rows, through the shared data pipeline."""
-    train = build_dataset(cfg.data, tokenizer)
-    heldout_cfg = dataclasses.replace(cfg.data, path=cfg.eval.heldout_path, split=cfg.eval.heldout_split, pack=False,
-                                      limit=cfg.eval.heldout_examples, overlong="truncate",
-                                      on_no_assistant="drop")
-    heldout = [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in build_dataset(heldout_cfg, tokenizer)]
-    if not heldout:
-        raise ValueError("no held-out example to evaluate on; raise eval.heldout_examples or set eval.heldout_path")
-    return train, heldout
+    return build_dataset(cfg.data, tokenizer), heldout_rows(cfg.data, tokenizer, cfg.eval.heldout_examples,
+                                                            cfg.eval.heldout_path, cfg.eval.heldout_split)
 
 
 def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int = 8) -> dict[str, float]:

@@ -1,0 +1,92 @@
+"""Distil a separate draft model from any Hugging Face causal LM (DistillSpec / GKD).
+
+    accelerate launch train/distill.py --config recipes/distill/tiny-code.yaml [key=value ...]
+
+Loads the target frozen, builds the draft (`distill.init`: the target's first layers copied, a
+narrower config, or an existing checkpoint; its tokenizer is checked against the target's before
+anything trains), builds the offline sequences (the fixed dataset, the target's regenerated
+answers from scripts/regenerate.py, or both) with the target's tokenizer and chat template
+(assistant tokens only in the loss), and hands the method (models/distill.py) to the shared loop.
+At every checkpoint tau is measured by real speculative decoding of held-out prompts with the
+decoder's draft-model proposer; the best checkpoint by `loop.best_metric` (tau) is kept in `best/`,
+a plain Hugging Face model directory that `target.generate(..., assistant_model=...)` and vLLM load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import datasets
+import torch
+
+from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.models.distill import Distill, DistillConfig, build_draft
+from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.train import config as C
+from draftsmith.train.loop import Loop
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0])  # tau is the first's
+
+    def __post_init__(self):
+        if self.num_prompts < 0 or self.max_new_tokens < 1 or not self.temperatures or min(self.temperatures) < 0:
+            raise C.ConfigError("eval: num_prompts >= 0, max_new_tokens >= 1 and temperatures >= 0 are required")
+
+
+@dataclasses.dataclass
+class Recipe:
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256))
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
+    """The offline training rows: the fixed data, the regenerated data, or both concatenated."""
+    parts = []
+    if cfg.distill.sequences in ("fixed", "mixed"):
+        parts.append(build_dataset(cfg.data, tokenizer))
+    if cfg.distill.sequences in ("regenerated", "mixed"):
+        if not Path(cfg.distill.regenerated).is_file():
+            raise C.ConfigError(f"distill.regenerated: {cfg.distill.regenerated} not found; write it with "
+                                "scripts/regenerate.py --target <target> --out <file>.jsonl")
+        parts.append(build_dataset(dataclasses.replace(cfg.data, path=cfg.distill.regenerated, split="train"),
+                                   tokenizer))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    cfg = C.from_command_line(Recipe, REPO / "recipes/distill/tiny-code.yaml", argv, __doc__)
+
+    torch.manual_seed(cfg.loop.seed)
+    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
+    draft = build_draft(target, cfg.distill)  # a tokenizer mismatch fails here, before any data is built
+    train = build_sequences(cfg, target.tokenizer)
+    method = Distill(target, draft, cfg.distill)
+    n_draft = sum(p.numel() for p in draft.parameters())
+    n_target = sum(p.numel() for p in target.model.parameters())
+    print(f"distill ({cfg.distill.init}, {cfg.distill.loss}, {cfg.distill.sequences} sequences, "
+          f"lambda {cfg.distill.lmbda}): draft {draft.config.num_hidden_layers} layers, {n_draft / 1e6:.2f}M params "
+          f"(target {n_target / 1e6:.2f}M); train rows {len(train)}")
+
+    evaluate = make_checkpoint_evaluator(target.model, target.tokenizer, load_prompts(Path(cfg.eval.prompts)),
+                                         cfg.eval.max_new_tokens, tuple(cfg.eval.temperatures),
+                                         cfg.eval.num_prompts) if cfg.eval.num_prompts else None
+    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
+    loop.run()
+    return loop
+
+
+if __name__ == "__main__":
+    main()

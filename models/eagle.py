@@ -1,0 +1,471 @@
+"""EAGLE-1 (Li et al. 2024, arXiv 2401.15077) and EAGLE-3 (Li et al. 2025, arXiv 2503.01840) drafters.
+
+One Llama-style decoder layer ("midlayer") autoregresses in the target's feature space, with the
+target's own (frozen) token embedding; both versions share the layer, the training-time-test loop
+and the proposer, and differ in what goes in and comes out:
+
+    EAGLE-1:  x_t = fc([e(x_{t+1}); f_t])  -> layer (no input norm) -> f^_{t+1}; logits = target lm_head(f^)
+              L = w_feat * SmoothL1(f^_{t+1}, f_{t+1}) + w_tok * CE(softmax(lm_head(f_{t+1})), lm_head(f^))
+    EAGLE-3:  g_t = fc([a_t; b_t; c_t])  (target hidden states of three layers, 3H -> H, no bias)
+              layer input [input_layernorm(e(x_{t+1})); hidden_norm(g_t)] (2H), residual g_t
+              -> h_{t+1}; logits = lm_head(norm(h)) over a pruned draft vocabulary
+              L = sum_k decay^k CE(softmax(target logits restricted to the draft vocab), draft logits)
+
+f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
+indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
+EAGLE repository's convention: the default (2, L//2, L-3) are the inputs to those layers.
+
+Training-time test (EAGLE-3; also available to EAGLE-1): step k = 0..K-1 feeds the layer its own
+step-(k-1) output in place of the target feature, with the ground-truth token x_{t+1+k}, at rope
+position pos_t + k; its queries see the step-0 keys causally and the keys of steps 1..k at the same
+position only (what the drafter's KV cache holds while drafting token k+1 at serving time).
+
+Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`), so exports are renames (models/eagle_export.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from draftsmith.decoding import cache as kv
+from draftsmith.decoding.proposers import Proposer, Verified
+from draftsmith.decoding.tree import DraftTree
+from draftsmith.decoding.verify import Sampling, sample, warp
+from draftsmith.models.target import Target, load_target
+from draftsmith.train.config import ConfigError
+
+WEIGHTS_FILE, DRAFTER_FILE, CONFIG_FILE = "eagle.safetensors", "drafter.json", "config.json"
+
+
+@dataclasses.dataclass
+class EagleConfig:
+    """The drafter and its loss (EAGLE-1: version 1, ttt_steps 1, feature_noise 0.2; EAGLE-3: version 3)."""
+
+    version: Literal[1, 3] = 3
+    aux_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 hidden_states indices; []: (2, L//2, L-3)
+    draft_vocab_size: int = 32000  # EAGLE-3: most frequent loss-masked training tokens (capped at the target's vocab)
+    ttt_steps: int = 7  # training-time-test steps K
+    decay: float = 0.8  # step k weighs decay^k
+    feature_noise: float = 0.0  # uniform noise on input features, (U - 0.5) * noise * 512 / seq_len (EAGLE-1: 0.2)
+    feature_weight: float = 1.0  # EAGLE-1 SmoothL1 weight
+    token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
+    intermediate_size: int = 0  # MLP width of the layer; 0: the target's
+
+    def __post_init__(self):
+        for ok, key, why in [
+            (self.version in (1, 3), "version", "must be 1 (EAGLE-1) or 3 (EAGLE-3)"),
+            (self.ttt_steps >= 1, "ttt_steps", "must be >= 1"),
+            (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
+            (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
+            (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
+            (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
+            (self.version == 3 or self.feature_weight > 0 or self.token_weight > 0, "feature_weight",
+             "EAGLE-1 needs a positive feature_weight or token_weight"),
+        ]:
+            if not ok:
+                raise ConfigError(f"eagle.{key}: {why}")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The EAGLE repository's choice: the inputs to layers 2, L//2 and L-3."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
+    """A one-layer Llama config with the target's width, heads and rope (what the engines instantiate)."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    H = text.hidden_size
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
+                                                      "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    config = LlamaConfig(
+        hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
+        num_hidden_layers=1, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
+        hidden_act="silu", tie_word_embeddings=False)
+    config.draft_vocab_size, config.target_hidden_size = draft_vocab_size, H
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class MidLayer(nn.Module):
+    """The drafter's decoder layer; EAGLE-3's q/k/v read [norm(embedding); norm(hidden)] (2H)."""
+
+    def __init__(self, config: LlamaConfig, version: int):
+        super().__init__()
+        H = config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        if version == 3:
+            heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+            self.self_attn.q_proj = nn.Linear(2 * H, heads * d, bias=False)
+            self.self_attn.k_proj = nn.Linear(2 * H, kv_heads * d, bias=False)
+            self.self_attn.v_proj = nn.Linear(2 * H, kv_heads * d, bias=False)
+            self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+        self.version = version
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
+        """emb, h [b, q, H] (EAGLE-1: h is already fc([emb; f])) -> [b, q, H]."""
+        x = h if self.version == 1 else torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)  # [b, q, 2H]
+        h = h + self.self_attn(x, position_embeddings=rope, attention_mask=mask, cache=cache)[0]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleDrafter(nn.Module):
+    """The trainable drafter: fc, midlayer, and for EAGLE-3 norm + lm_head over the draft vocabulary.
+
+    `d2t` [Vd] int64 (target id = i + d2t[i]) and `t2d` [V] bool are buffers fixed before training.
+    """
+
+    def __init__(self, config: LlamaConfig, version: int, draft_ids: torch.Tensor, n_features: int = 1):
+        super().__init__()
+        H = config.hidden_size
+        self.config, self.version = config, version
+        if version == 1:
+            self.fc = nn.Linear(2 * H, H, bias=True)
+        else:
+            self.fc = nn.Linear(n_features * H, H, bias=False)
+            self.norm = LlamaRMSNorm(H, config.rms_norm_eps)
+            self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
+        self.midlayer = MidLayer(config, version)
+        self.rotary = LlamaRotaryEmbedding(config)
+        draft_ids = draft_ids.long()
+        self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        self.register_buffer("t2d", t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [Vd] target ids
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                cache) -> torch.Tensor:
+        """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
+        position_ids [b, q]; mask [b, 1, q, keys] additive -> output hidden [b, q, H]."""
+        if self.version == 1:
+            h = self.fc(torch.cat([emb, h], -1))  # [b, q, H]
+        elif h.shape[-1] != self.config.hidden_size:
+            h = self.fc(h)  # fused target features [b, q, 3H] -> [b, q, H]
+        rope = self.rotary(h, position_ids)
+        return self.midlayer(emb, h, rope, mask.to(h.dtype), cache)
+
+    def logits(self, out: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
+        """Draft logits [.., Vd]: EAGLE-3's own head on norm(out), EAGLE-1 the target's head on out (Vd = V)."""
+        return target_head(out) if self.version == 1 else self.lm_head(self.norm(out))
+
+
+def draft_vocab(dataset, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent loss-masked tokens of `dataset` (rows with input_ids, loss_mask), sorted by id.
+
+    Ties and unused slots are filled by the lowest ids, so the result is deterministic.
+    """
+    size = min(size, vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(dataset)):
+        row = dataset[i]
+        ids = torch.as_tensor(row["input_ids"])
+        counts += torch.bincount(ids[torch.as_tensor(row["loss_mask"]).bool()], minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(sorted(order[:size]))
+
+
+def additive(visible: torch.Tensor) -> torch.Tensor:
+    """Bool visibility -> additive mask (0 where visible, -inf elsewhere), same shape."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x [b, s, ...] moved n positions left along dim 1, the tail filled: shift(x, n)[:, t] = x[:, t + n]."""
+    tail = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], tail], 1)
+
+
+class Eagle(nn.Module):
+    """The training method: a frozen target (online) or its cached features (offline) + an EagleDrafter."""
+
+    def __init__(self, target: Target, cfg: EagleConfig, draft_ids: torch.Tensor | None = None):
+        super().__init__()
+        self.target, self.cfg = target, cfg
+        L = target.config.get_text_config().num_hidden_layers
+        V = target.config.get_text_config().vocab_size
+        if cfg.version == 3:
+            self.layers = list(cfg.aux_layers) or default_aux_layers(L)
+            bad = [i for i in self.layers if not 0 <= i <= L]
+            if bad:
+                raise ConfigError(f"eagle.aux_layers: {bad} out of range for a {L}-layer target; use 0..{L}")
+        else:
+            self.layers = []
+        draft_ids = torch.arange(V) if draft_ids is None or cfg.version == 1 else draft_ids
+        config = draft_config(target.config, cfg, draft_ids.numel())
+        self.drafter = EagleDrafter(config, cfg.version, draft_ids, max(1, len(self.layers))).to(target.lm_head.weight)
+
+    # ---- features ----------------------------------------------------------------------------------
+
+    def features(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(f [b, s, H] final post-norm hidden states, g [b, s, n*H] step-0 input features), from the batch's
+        cached `hidden` / `aux` (offline) or a forward of the frozen target (online)."""
+        if "hidden" in batch:
+            f = batch["hidden"].float()
+            return f, (batch["aux"].float() if self.cfg.version == 3 else f)
+        with torch.no_grad():
+            tap = self.target.tap(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"),
+                                  tuple(self.layers))
+        f = tap.hidden.float()
+        return f, (torch.cat([tap.layers[i] for i in self.layers], -1).float() if self.layers else f)
+
+    # ---- training-time test --------------------------------------------------------------------------
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, metrics = self.ttt(batch)
+        return loss, metrics
+
+    def ttt(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The unrolled training-time test; returns the weighted loss and per-step metrics:
+        loss_k, acc_k (draft top-1 = target top-1) and cond_acc_k, the acceptance decoding sees: the
+        same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens."""
+        cfg, d = self.cfg, self.drafter
+        ids = batch["input_ids"]  # [b, s]
+        b, s = ids.shape
+        pos = batch.get("position_ids")
+        pos = torch.arange(s, device=ids.device).expand(b, s) if pos is None else pos
+        seq = (pos == 0).long().cumsum(1)  # [b, s] sequence id within a packed row
+        if "attention_mask" in batch:
+            seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
+        f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
+        with torch.no_grad():
+            target_logits = self.target.logits(f.to(self.target.lm_head.weight.dtype)).float()  # [b, s, V]
+            emb = self.target.embed(ids).float()  # [b, s, H]
+        greedy = target_logits.argmax(-1)  # [b, s] target's next token at each position
+        if self.training and cfg.feature_noise:
+            g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
+        same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
+        causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        diag = torch.eye(s, dtype=torch.bool, device=ids.device).expand(b, s, s)
+        cache = kv.new_cache()
+        h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
+        metrics: dict[str, float] = {}
+        for k in range(cfg.ttt_steps):
+            j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
+            mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
+            out = d(shift(emb, j), h, pos + k, mask, cache)  # [b, s, H]
+            valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
+            p_logits, target_next = shift(target_logits, j), shift(greedy, j)  # [b, s, V], [b, s]
+            draft = d.logits(out, self.target.lm_head).float()  # [b, s, Vd]
+            if cfg.version == 3:
+                p = F.softmax(p_logits[..., d.draft_ids], -1)  # [b, s, Vd] target restricted to the draft vocab
+                train = valid & d.t2d[target_next]  # positions whose target argmax is drafted at all
+                step_loss = _masked_mean(-(p * F.log_softmax(draft, -1)).sum(-1), train)
+            else:
+                ce = -(F.softmax(p_logits, -1) * F.log_softmax(draft, -1)).sum(-1)  # [b, s]
+                l1 = F.smooth_l1_loss(out, shift(f, j), reduction="none").mean(-1)  # [b, s]
+                step_loss = _masked_mean(cfg.feature_weight * l1 + cfg.token_weight * ce, valid)
+            total = total + cfg.decay ** k * step_loss
+            ok = d.draft_ids[draft.argmax(-1)] == target_next  # [b, s]
+            metrics[f"loss_{k}"] = step_loss.item()
+            metrics[f"acc_{k}"] = _masked_mean(ok.float(), valid).item()
+            metrics[f"cond_acc_{k}"] = _masked_mean(ok.float(), valid & on_path).item()
+            on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
+            h = out
+        return total, metrics
+
+    # ---- decoding and checkpoints ---------------------------------------------------------------------
+
+    def proposer(self, target=None, **kwargs) -> EagleProposer:
+        """A proposer over the current drafter (chain by default; mode='tree' for EAGLE-2 dynamic trees)."""
+        return EagleProposer(self.drafter, self.target.embed, self.target.lm_head, self.layers, **kwargs)
+
+    def extra_state(self) -> dict:
+        return {"draft_ids": self.drafter.draft_ids.tolist()}
+
+    def load_extra_state(self, state: dict) -> None:
+        if state["draft_ids"] != self.drafter.draft_ids.tolist():
+            raise ValueError("the checkpoint's draft vocabulary differs from the one built from this data; "
+                             "resume with the same data and eagle.draft_vocab_size")
+
+    def save_pretrained(self, out: str | Path) -> None:
+        """drafter.json (method, version, layers, target), config.json (the layer's Llama config) and
+        eagle.safetensors (SGLang names; no embedding, the target's is used)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in self.drafter.state_dict().items()}, out / WEIGHTS_FILE)
+        (out / CONFIG_FILE).write_text(self.drafter.config.to_json_string())
+        (out / DRAFTER_FILE).write_text(json.dumps({
+            "method": "eagle", "version": self.cfg.version, "aux_layers": self.layers,
+            "aux_layers_convention": "hidden_states index: the input to decoder layer i (EAGLE repository)",
+            "ttt_steps": self.cfg.ttt_steps, "target": self.target.path}, indent=1))
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:
+    """A drafter checkpoint dir -> (EagleDrafter with its weights, drafter.json)."""
+    path = Path(path)
+    meta = json.loads((path / DRAFTER_FILE).read_text())
+    config = LlamaConfig.from_json_file(path / CONFIG_FILE)
+    config._attn_implementation = "sdpa"
+    state = load_file(path / WEIGHTS_FILE)
+    draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
+    drafter = EagleDrafter(config, meta["version"], draft_ids, max(1, len(meta["aux_layers"])))
+    drafter.load_state_dict(state)
+    return drafter.to(device=device, dtype=dtype).eval(), meta
+
+
+def load_proposer(path: str | Path, target, **kwargs) -> EagleProposer:
+    """The decoder's entry point (`decoding.proposers.load_proposer`) for an EAGLE drafter dir."""
+    target = target if isinstance(target, Target) else Target(target, None, "")
+    drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
+    return EagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], **kwargs)
+
+
+def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
+    """A trained Eagle method from a drafter dir (its target loaded from drafter.json unless given)."""
+    drafter, meta = load_drafter(path)
+    target = target or load_target(meta["target"])
+    cfg = EagleConfig(version=meta["version"], aux_layers=meta["aux_layers"], ttt_steps=meta["ttt_steps"],
+                      draft_vocab_size=drafter.d2t.numel(), intermediate_size=drafter.config.intermediate_size)
+    method = Eagle(target, cfg, drafter.draft_ids)
+    method.drafter.load_state_dict(drafter.state_dict())
+    return method
+
+
+class EagleProposer(Proposer):
+    """EAGLE drafting on the shared verifier: feature-space autoregression with the drafter's own KV cache.
+
+    After each verification the cache is cut back to the committed positions and extended with the
+    target's features of the tokens just committed (entry p holds feature f_p with token x_{p+1}, at
+    rope position p), so drafting always restarts from the target's own hidden states. Then:
+    - chain: gamma tokens, each fed back with the drafter's output hidden state;
+    - tree (EAGLE-2 dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
+      by their `top_k` children, scored by cumulative draft log-probability; the best `total_tokens`
+      nodes over all depths form the tree (ancestors score at least as high as descendants, so it is
+      closed). Tree nodes are deterministic (q = point mass), which keeps exact verification exact.
+    """
+
+    def __init__(self, drafter: EagleDrafter, embed: nn.Module, target_head: nn.Module, layers,
+                 mode: Literal["chain", "tree"] = "chain", gamma: int = 5, top_k: int = 8, depth: int = 5,
+                 total_tokens: int = 32):
+        if mode not in ("chain", "tree") or min(gamma, top_k, depth, total_tokens) < 1:
+            raise ValueError("EAGLE proposer: mode must be chain or tree and gamma, top_k, depth, total_tokens >= 1")
+        self.drafter, self.embed, self.head = drafter, embed, target_head
+        self.hidden_layers = tuple(layers) or (-1,)
+        self.mode, self.gamma, self.top_k, self.depth, self.total_tokens = mode, gamma, top_k, depth, total_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.n, self.last = kv.new_cache(), 0, None  # committed entries, output at the last one [H]
+
+    def _step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+              ) -> torch.Tensor:
+        """Feed q entries: tokens [q], h [q, D], positions [q], visible [q, cache + q] bool -> outputs [q, H]."""
+        emb = self.embed(tokens[None]).to(h.dtype)  # [1, q, H]
+        return self.drafter(emb, h[None], positions[None], additive(visible)[None, None], self.cache)[0]
+
+    @torch.no_grad()
+    def accept(self, ids: torch.Tensor, verified: Verified) -> None:
+        kv.crop(self.cache, self.n)
+        if verified.hidden is None:
+            return
+        k, m, H = verified.hidden.shape
+        feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, k*H]
+        t = ids.numel()
+        positions = torch.arange(t - 1 - m, t - 1, device=ids.device)
+        visible = torch.ones(m, self.n + m, dtype=torch.bool, device=ids.device).tril(self.n)
+        out = self._step(ids[t - m:], feats, positions, visible)  # [m, H]
+        self.n, self.last = t - 1, out[-1]
+
+    def _draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(out, self.head).float()  # [.., Vd]
+
+    @torch.no_grad()
+    def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        if self.last is None:
+            return DraftTree.empty(ids.device)
+        return self._chain(ids, sampling) if self.mode == "chain" else self._tree(ids, sampling)
+
+    def _chain(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        d, V = self.drafter, self.drafter.t2d.numel()
+        h, tokens, qs = self.last, [], []
+        for i in range(self.gamma):
+            logits = torch.full((V,), float("-inf"), device=ids.device)
+            logits[d.draft_ids] = self._draft_logits(h)  # [V]
+            if sampling.greedy:
+                x = int(logits.argmax())
+            else:
+                qs.append(warp(logits, sampling))  # [V]
+                x = sample(qs[-1], sampling.generator)
+            tokens.append(x)
+            if i + 1 < self.gamma:
+                visible = torch.ones(1, self.n + i + 1, dtype=torch.bool, device=ids.device)
+                pos = torch.tensor([self.n + i], device=ids.device)
+                h = self._step(torch.tensor([x], device=ids.device), h[None], pos, visible)[0]
+        return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
+
+    def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        d, dev, K = self.drafter, ids.device, self.top_k
+        scale = 1.0 if sampling.greedy else 1.0 / sampling.temperature
+        tokens, parents, scores, depth = [], [], [], []  # per node
+        out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
+        slot: dict[int, int] = {}  # node -> its entry in the drafter cache
+
+        def expand(h: torch.Tensor, froms: list[int]) -> list[int]:
+            """Children of `froms` (outputs h [F, H]) -> indices of the new candidate nodes."""
+            logp = F.log_softmax(self._draft_logits(h) * scale, -1)  # [F, Vd]
+            top = logp.topk(min(K, logp.shape[-1]), -1)
+            new = []
+            for r, parent in enumerate(froms):
+                base = scores[parent] if parent >= 0 else 0.0
+                for lp, i in zip(top.values[r].tolist(), top.indices[r].tolist(), strict=True):
+                    new.append(len(tokens))
+                    tokens.append(int(d.draft_ids[i]))
+                    parents.append(parent)
+                    scores.append(base + lp)
+                    depth.append(1 + (depth[parent] if parent >= 0 else 0))
+            return new
+
+        frontier = expand(self.last[None], [-1])
+        for level in range(1, self.depth):
+            frontier = sorted(frontier, key=lambda i: -scores[i])[:K]
+            start = self.n + len(slot)
+            visible = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool, device=dev)
+            visible[:, : self.n] = True
+            for r, i in enumerate(frontier):
+                slot[i] = start + r
+                a = parents[i]
+                while a >= 0:
+                    visible[r, slot[a]] = True
+                    a = parents[a]
+                visible[r, slot[i]] = True
+            h_in = torch.stack([out_of[parents[i]] if parents[i] >= 0 else self.last for i in frontier])  # [F, H]
+            pos = torch.full((len(frontier),), self.n + level - 1, device=dev)
+            outs = self._step(torch.tensor([tokens[i] for i in frontier], device=dev), h_in, pos, visible)
+            for r, i in enumerate(frontier):
+                out_of[i] = outs[r]
+            frontier = expand(outs, frontier)
+        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))[: self.total_tokens]
+        keep = sorted(keep, key=lambda i: (depth[i], i))
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev))

@@ -1,0 +1,311 @@
+"""EAGLE-1 / EAGLE-3: the training-time test sees what serving sees, losses and masks, the draft vocabulary,
+lossless decoding (chain and EAGLE-2 tree), checkpoints and the recipe entry points."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.proposers import Verified
+from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
+from draftsmith.decoding.verify import Sampling
+from draftsmith.models.eagle import (
+    Eagle,
+    EagleConfig,
+    EagleProposer,
+    default_aux_layers,
+    draft_vocab,
+    load_eagle,
+)
+from draftsmith.models.target import Target, load_target
+from draftsmith.train import config as C
+from draftsmith.train.config import ConfigError
+
+V = 96
+
+
+def tiny_target(vocab: int = V, layers: int = 4, seed: int = 0) -> Target:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None))
+    return Target(model.eval().requires_grad_(False), None, "tiny")
+
+
+def method(version: int, ttt_steps: int = 3, draft_ids=None, target=None, seed: int = 1, **kw) -> Eagle:
+    target = target or tiny_target()
+    torch.manual_seed(seed)
+    m = Eagle(target, EagleConfig(version=version, ttt_steps=ttt_steps, **kw), draft_ids)
+    for p in m.drafter.parameters():  # a random, non-trivial drafter (norm weights away from 1)
+        torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
+    return m.eval()
+
+
+def batch(b: int = 2, s: int = 12, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (b, s), generator=g)
+    return {"input_ids": ids, "loss_mask": torch.ones(b, s, dtype=torch.long),
+            "position_ids": torch.arange(s).expand(b, s)}
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_training_time_test_step_k_equals_what_the_proposer_computes(version):
+    """Step k's output at position t is the drafter output decoding computes after feeding the target features
+    of positions 0..t and then its own outputs for k drafted tokens (here the data tokens)."""
+    m = method(version, ttt_steps=4)
+    bt = batch(b=1, s=10)
+    outs = []
+    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    m.ttt(bt)
+    ids = bt["input_ids"][0]
+    f, g = m.features(bt)  # [1, s, H], [1, s, n*H]
+    for t in (2, 5):
+        p = m.proposer()
+        p.reset()
+        # the proposer's cache after committing ids[: t + 2]: entries (feature at p, token p+1) for p = 0..t
+        hidden = g[0, : t + 1].reshape(t + 1, len(p.hidden_layers), -1).permute(1, 0, 2)  # [k, t+1, H]
+        p.accept(ids[: t + 2], Verified(None, [], None, hidden))
+        torch.testing.assert_close(p.last, outs[0][t], atol=1e-4, rtol=1e-4)
+        h = p.last
+        for k in range(1, 4):  # draft step k feeds token x_{t+1+k} with the previous output, at position t+k
+            visible = torch.ones(1, p.n + k, dtype=torch.bool)
+            h = p._step(ids[t + 1 + k: t + 2 + k], h[None], torch.tensor([t + k]), visible)[0]
+            torch.testing.assert_close(h, outs[k][t], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_rows_do_not_leak_across_examples():
+    m = method(3)
+    bt = batch(b=1, s=12)
+    packed = {**bt, "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
+    alone = {k: v[:, 5:] for k, v in bt.items()}
+    alone["position_ids"] = torch.arange(7)[None]
+    outs = []
+    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    m.ttt(packed)
+    m.ttt(alone)
+    # the online tap is block-diagonal too, so the second example's step-k outputs agree position by position
+    for k in range(3):
+        torch.testing.assert_close(outs[k][5:12 - k - 1], outs[3 + k][: 7 - k - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_eagle3_loss_is_soft_cross_entropy_on_the_draft_vocab_with_out_of_vocab_argmax_masked():
+    target = tiny_target()
+    bt = batch(b=1, s=8)
+    draft_ids = torch.arange(0, V, 2)  # even tokens only
+    m = method(3, ttt_steps=1, draft_ids=draft_ids, target=target)
+    loss, metrics = m.ttt(bt)
+    f, g = m.features(bt)
+    logits = target.logits(f)[0]  # [s, V]
+    out = m.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1],
+                    torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf")),
+                    None)
+    draft = m.drafter.logits(out, target.lm_head)[0]  # [7, Vd]
+    total, n = 0.0, 0
+    for t in range(6):  # query t is trained on the target's distribution at t+1 (predicting x_{t+2})
+        p = logits[t + 1]
+        if int(p.argmax()) % 2:
+            continue
+        total += -(torch.softmax(p[draft_ids], -1) * torch.log_softmax(draft[t], -1)).sum()
+        n += 1
+    assert n > 0
+    torch.testing.assert_close(loss, total / n, atol=1e-5, rtol=1e-5)
+    assert metrics["loss_0"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_eagle1_loss_combines_feature_regression_and_soft_cross_entropy():
+    target = tiny_target()
+    m = method(1, ttt_steps=1, target=target, feature_weight=1.0, token_weight=0.1)
+    bt = batch(b=1, s=8)
+    loss, _ = m.ttt(bt)
+    f, _ = m.features(bt)
+    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    out = m.drafter(target.embed(bt["input_ids"][:, 1:]), f[:, :-1], bt["position_ids"][:, :-1], mask, None)[0]
+    l1 = torch.nn.functional.smooth_l1_loss(out[:6], f[0, 1:7], reduction="none").mean(-1)
+    ce = -(torch.softmax(target.logits(f[0, 1:7]), -1) * torch.log_softmax(target.logits(out[:6]), -1)).sum(-1)
+    torch.testing.assert_close(loss, (l1 + 0.1 * ce).mean(), atol=1e-5, rtol=1e-5)
+
+
+def test_loss_mask_selects_the_predicted_tokens():
+    m = method(3, ttt_steps=2)
+    bt = batch(b=1, s=10)
+    masked = {**bt, "loss_mask": torch.zeros_like(bt["loss_mask"])}
+    assert m.ttt(masked)[0].item() == 0.0
+    only = {**bt, "loss_mask": torch.zeros_like(bt["loss_mask"])}
+    only["loss_mask"][0, 6] = 1  # token 6 is predicted by step 0 at t=4 and step 1 at t=3
+    _, metrics = m.ttt(only)
+    assert metrics["loss_0"] > 0 and metrics["loss_1"] > 0
+
+
+def test_conditional_acceptance_conditions_on_accepted_greedy_prefixes():
+    m = method(3, ttt_steps=2)
+    bt = batch(b=2, s=16, seed=3)
+    _, metrics = m.ttt(bt)
+    assert metrics["cond_acc_0"] == metrics["acc_0"]
+    # with the data replaced by the target's own greedy tokens, step 1 is conditioned on step 0 being right
+    assert 0 <= metrics["cond_acc_1"] <= 1
+
+
+def test_draft_vocab_is_the_most_frequent_masked_tokens_and_d2t_t2d_agree():
+    rows = [{"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [0, 1, 1, 1, 1, 1, 0]},
+            {"input_ids": [3, 3, 3, 3], "loss_mask": [0, 0, 0, 1]}]
+    ids = draft_vocab(rows, 12, 3)
+    assert ids.tolist() == [3, 5, 7]  # 5 x2, 7 x2, then 3 and 9 tie at 1: the lower id wins; sorted by id
+    m = method(3, draft_ids=ids, target=tiny_target(vocab=V))
+    d = m.drafter
+    assert d.d2t.dtype == torch.int64 and d.t2d.dtype == torch.bool
+    assert (torch.arange(3) + d.d2t).tolist() == [3, 5, 7] and d.t2d.nonzero().flatten().tolist() == [3, 5, 7]
+
+
+def test_default_aux_layers_follow_the_eagle_repository():
+    assert default_aux_layers(32) == [2, 16, 29]
+    assert default_aux_layers(8) == [2, 4, 5]
+    with pytest.raises(ConfigError, match="aux_layers"):
+        Eagle(tiny_target(layers=4), EagleConfig(aux_layers=[1, 9]))
+    with pytest.raises(ConfigError, match="only EAGLE-3"):
+        EagleConfig(version=1, aux_layers=[1])
+
+
+@pytest.mark.parametrize("version,mode", [(1, "chain"), (3, "chain"), (1, "tree"), (3, "tree")])
+def test_greedy_decoding_equals_the_targets_own(version, mode):
+    m = method(version, draft_ids=torch.arange(0, V, 3) if version == 3 else None)
+    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(1))
+    p = m.proposer(mode=mode, gamma=4, top_k=3, depth=3, total_tokens=10)
+    spec, stats = speculative_generate(m.target.model, p, prompt, 24, eos_token_id=[])
+    plain, _ = plain_generate(m.target.model, prompt, 24, eos_token_id=[])
+    assert torch.equal(spec, plain) and stats.new_tokens == 24
+
+
+def test_a_trained_drafter_is_accepted_in_chain_and_tree():
+    """A drafter trained on the target's own greedy text drafts it: chain and tree both reach tau > 3."""
+    target = tiny_target(seed=2)
+    target.lm_head.weight.data *= 10  # a peaked target, as trained ones are
+    m = Eagle(target, EagleConfig(version=3, ttt_steps=2), None)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 3])
+    with torch.no_grad():
+        text, _ = plain_generate(target.model, prompt, 40, eos_token_id=[])
+    bt = {"input_ids": text, "loss_mask": torch.ones_like(text), "position_ids": torch.arange(text.shape[1])[None]}
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+    m.train()
+    for _ in range(200):
+        loss, metrics = m.ttt(bt)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    m.eval()
+    assert metrics["acc_0"] > 0.9 and metrics["cond_acc_1"] > 0.9
+    for mode in ("chain", "tree"):
+        spec, stats = speculative_generate(target.model, m.proposer(mode=mode, gamma=4, top_k=2, depth=4,
+                                                                    total_tokens=8), prompt, 40, eos_token_id=[])
+        assert torch.equal(spec, text) and stats.tau > 3, (mode, stats.tau)
+
+
+def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
+    m = method(3)
+    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
+    p = m.proposer(mode="tree", top_k=4, depth=4, total_tokens=12)
+    p.reset()
+    with torch.no_grad():
+        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
+    hidden = torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])
+    p.accept(prompt[0], Verified(None, [], None, hidden))
+    tree = p.propose(prompt[0], Sampling())
+    assert len(tree) == 12 and tree.depth.max() >= 2
+    assert (tree.parents < torch.arange(12)).all()
+    assert p.cache.get_seq_length() > p.n  # drafted entries sit in the cache until the next accept crops them
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampled_output_has_the_targets_distribution(mode):
+    """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
+    vocab, trials = 6, 1500
+    m = method(3, target=tiny_target(vocab=vocab, layers=2), draft_ids=torch.tensor([0, 2, 3, 5]))
+    model = m.target.model
+    prompt = torch.tensor([[1, 4, 2]])
+    with torch.no_grad():
+        p1 = torch.softmax(model(prompt).logits[0, -1], -1)  # [v]
+        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, 4]
+        p2 = torch.softmax(model(both).logits[:, -1], -1)  # [v, v]
+    expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(vocab * vocab)
+    proposer = m.proposer(mode=mode, gamma=2, top_k=2, depth=2, total_tokens=4)
+    for _ in range(trials):
+        out, _ = speculative_generate(model, proposer, prompt, 2, Sampling(temperature=1.0, generator=g),
+                                      eos_token_id=[])
+        counts[out[0, 3] * vocab + out[0, 4]] += 1
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = vocab * vocab - 1
+    assert chi2 < dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version):
+    m = method(version, draft_ids=torch.arange(10, 60) if version == 3 else None)
+    m.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "drafter.json").read_text())
+    assert meta["method"] == "eagle" and meta["version"] == version
+    back = load_eagle(tmp_path, m.target)
+    for k, v in m.drafter.state_dict().items():
+        assert torch.equal(v, back.drafter.state_dict()[k]), k
+    proposer = decoder_load_proposer(str(tmp_path), m.target.model, gamma=3)
+    assert isinstance(proposer, EagleProposer) and proposer.hidden_layers == tuple(m.layers or (-1,))
+    prompt = torch.randint(0, V, (1, 5))
+    spec, _ = speculative_generate(m.target.model, proposer, prompt, 10, eos_token_id=[])
+    assert torch.equal(spec, plain_generate(m.target.model, prompt, 10, eos_token_id=[])[0])
+
+
+# ---- the recipes ------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def script(rel: str):
+    """Import an entry script (train/*.py is not a package) as a module."""
+    name = f"_script_{Path(rel).stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / rel)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def run_recipe(entry: str, recipe: str, target: Path, out: Path, *extra: str):
+    return script(entry).main(["--config", str(REPO / recipe), f"target.path={target}", f"loop.output_dir={out}",
+                               "data.limit=40", "data.max_length=160", "data.cache=false", "eval.heldout_examples=12",
+                               "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2", "loop.log_every=1",
+                               "loop.max_steps=4", "loop.save_every=2", "loop.lr=3e-3", *extra])
+
+
+def test_shipped_recipes_parse():
+    entry = script("train/eagle.py")
+    assert C.load(entry.Recipe, REPO / "recipes/eagle/tiny-code.yaml").eagle.version == 1
+    cfg = C.load(entry.Recipe, REPO / "recipes/eagle3/tiny-code.yaml")
+    assert cfg.eagle.version == 3 and cfg.eagle.ttt_steps == 7 and cfg.loop.best_metric == "tau"
+    with pytest.raises(C.ConfigError, match="did you mean"):
+        C.load(entry.Recipe, REPO / "recipes/eagle3/tiny-code.yaml", ["eagle.ttt_step=3"])
+
+
+@pytest.mark.parametrize("entry,recipe,mode", [("train/eagle.py", "recipes/eagle/tiny-code.yaml", "chain"),
+                                               ("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", "tree")])
+def test_recipe_trains_measures_tau_and_keeps_a_loadable_best(entry, recipe, mode, tiny_chat_target, tmp_path):
+    run_recipe(entry, recipe, tiny_chat_target, tmp_path / "run", f"eval.mode={mode}", "eagle.ttt_steps=3",
+               "eagle.draft_vocab_size=200")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tau" in r]
+    assert len(evals) == 2 and all(r["eval/tau"] >= 1 and "eval/heldout_cond_acc_2" in r for r in evals)
+    assert all(1 <= r["eval/expected_tau"] <= 4 for r in evals)
+    best = tmp_path / "run" / "best"
+    assert json.loads((best / "best.json").read_text())["tau"] == max(r["eval/tau"] for r in evals)
+    target = load_target(tiny_chat_target)
+    proposer = decoder_load_proposer(str(best), target.model, mode=mode)
+    ids = target.tokenizer("def f(x):\n    return", return_tensors="pt")["input_ids"]
+    spec, _ = speculative_generate(target.model, proposer, ids, 12, eos_token_id=[])
+    assert torch.equal(spec, plain_generate(target.model, ids, 12, eos_token_id=[])[0])

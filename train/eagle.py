@@ -1,0 +1,128 @@
+"""Train an EAGLE-1 drafter (or, through train/eagle3.py, an EAGLE-3 drafter) on any Hugging Face causal LM.
+
+    accelerate launch train/eagle.py --config recipes/eagle/tiny-code.yaml [key=value ...]
+    accelerate launch train/eagle3.py --config recipes/eagle3/tiny-code.yaml [key=value ...]
+
+The target stays frozen. Its features come from a forward in the loop (online) or from a cache
+written by scripts/cache_hidden_states.py (`offline.path`, offline); the EAGLE-3 draft vocabulary
+is built once from the loss-masked training tokens and kept in the checkpoint. At every checkpoint
+the held-out rows give per-step loss, top-1 accuracy and the conditional acceptance decoding sees
+(`cond_acc_k`, whose running product predicts tau), and tau is measured by real speculative
+decoding of held-out prompts with the EAGLE proposer (chain or EAGLE-2 dynamic tree); recipes keep
+the best checkpoint by tau.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
+from draftsmith.data.hidden_cache import HiddenCache, collate_features
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.models.eagle import Eagle, EagleConfig, draft_vocab
+from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.train import config as C
+from draftsmith.train.loop import Loop, collate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class OfflineConfig:
+    path: str = ""  # a hidden-state cache from scripts/cache_hidden_states.py; empty: run the target online
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Held-out rows scored at every checkpoint, and the decoding that measures tau."""
+
+    heldout_examples: int = 64
+    prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL)
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    mode: Literal["chain", "tree"] = "chain"  # tree: EAGLE-2 dynamic tree
+    gamma: int = 5  # chain length
+    top_k: int = 8  # EAGLE-2: children per node and frontier width
+    depth: int = 5  # EAGLE-2: drafting rounds
+    total_tokens: int = 32  # EAGLE-2: nodes kept
+
+    def __post_init__(self):
+        if self.num_prompts < 0 or self.max_new_tokens < 1 or min(self.gamma, self.top_k, self.depth,
+                                                                   self.total_tokens) < 1:
+            raise C.ConfigError("eval: num_prompts >= 0, and max_new_tokens, gamma, top_k, depth, total_tokens >= 1")
+
+    def proposer_kwargs(self) -> dict:
+        return dict(mode=self.mode, gamma=self.gamma, top_k=self.top_k, depth=self.depth,
+                    total_tokens=self.total_tokens)
+
+
+@dataclasses.dataclass
+class Recipe:
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256, pack=True))
+    offline: OfflineConfig = dataclasses.field(default_factory=OfflineConfig)
+    eagle: EagleConfig = dataclasses.field(default_factory=EagleConfig)
+    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def heldout_metrics(method: Eagle, rows: list[dict], batch_size: int = 8) -> dict[str, float]:
+    """Per-step held-out loss, accuracy and conditional acceptance (position-weighted over batches), and
+    `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i, the chain's tau they predict."""
+    device = method.drafter.fc.weight.device
+    sums: dict[str, float] = {}
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
+        _, metrics = method.ttt(batch)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v / -(-len(rows) // batch_size)
+    prod, tau = 1.0, 1.0
+    for k in range(method.cfg.ttt_steps):
+        prod *= sums[f"cond_acc_{k}"]
+        tau += prod
+    return {**{f"heldout_{k}": v for k, v in sums.items()}, "expected_tau": tau}
+
+
+def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/eagle/tiny-code.yaml",
+         doc: str = __doc__) -> Loop:
+    cfg = C.from_command_line(Recipe, default_recipe, argv, doc)
+
+    torch.manual_seed(cfg.loop.seed)
+    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
+    train = HiddenCache(cfg.offline.path, target) if cfg.offline.path else build_dataset(cfg.data, target.tokenizer)
+    heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples)
+    draft_ids = draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
+        if cfg.eagle.version == 3 else None
+    method = Eagle(target, cfg.eagle, draft_ids)
+    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
+    print(f"EAGLE-{cfg.eagle.version}: {n_train / 1e6:.2f}M trainable, layers {method.layers or 'final'}, "
+          f"draft vocab {method.drafter.d2t.numel()}, {cfg.eagle.ttt_steps} TTT steps; "
+          f"train rows {len(train)} ({'offline: ' + cfg.offline.path if cfg.offline.path else 'online'}); "
+          f"held-out examples {len(heldout)}")
+
+    decode = make_checkpoint_evaluator(target.model, target.tokenizer, load_prompts(Path(cfg.eval.prompts)),
+                                       cfg.eval.max_new_tokens, num_prompts=cfg.eval.num_prompts,
+                                       proposer_kwargs=cfg.eval.proposer_kwargs()) if cfg.eval.num_prompts else None
+
+    def evaluate(m: Eagle, step: int) -> dict:
+        metrics = heldout_metrics(m, heldout)
+        if decode is not None:
+            metrics.update(decode(m, step))
+            print(f"step {step}: tau={metrics['tau']:.3f} (expected from cond_acc {metrics['expected_tau']:.3f}; "
+                  f"{cfg.eval.mode}, greedy, {cfg.eval.num_prompts} prompts x {cfg.eval.max_new_tokens} tokens)",
+                  flush=True)
+        return metrics
+
+    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg),
+                collate_fn=collate_features if cfg.offline.path else collate)
+    loop.run()
+    return loop
+
+
+if __name__ == "__main__":
+    main()

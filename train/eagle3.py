@@ -1,0 +1,23 @@
+"""Train an EAGLE-3 drafter: fused features from three target layers, training-time test, pruned vocabulary.
+
+    accelerate launch train/eagle3.py --config recipes/eagle3/tiny-code.yaml [key=value ...]
+
+The same entry point as train/eagle.py (one script, one loop) with the EAGLE-3 recipe as default;
+see models/eagle.py for the method and train/eagle.py for what is evaluated at each checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.train.eagle import main as eagle_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None):
+    return eagle_main(argv, REPO / "recipes/eagle3/tiny-code.yaml", __doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""The leaderboard: every drafter on the same target, the same held-out prompts, the same training budget.
+
+    python scripts/bench.py [--budget-minutes 5] [--methods ngram medusa1 ...] [--reuse]
+        [--num-prompts 20] [--max-new-tokens 128] [--runs-dir runs/bench] [--out benchmarks/leaderboard.json]
+
+For each method of METHODS: train it on the target with its default recipe for at most
+`--budget-minutes` of training time (`loop.max_minutes`; evaluations excluded; the recipe's
+max_steps and LR schedule are kept, so a fast recipe may finish earlier: the steps and seconds it
+used are reported) into `--runs-dir/<method>`, resuming a run there if one was cut short. With
+`--reuse`, a run that already holds a drafter (in `--runs-dir/<method>`, else the recipe's own
+`loop.output_dir`) is evaluated as it is, with the training time its checkpoint recorded.
+Methods whose entry script or recipe is missing are reported as not available.
+
+Every decoding variant (chain; tree where the method has one) is then evaluated on the same
+held-out prompts at temperature 0 (greedy, output checked token by token against the verifying
+model's own `generate`) and temperature 1 (exact rejection sampling, so lossless), with one seed
+per prompt. Per prompt, plain decoding by the verifying model and speculative decoding run back
+to back, so both see the same load on a shared machine; speedup is plain time per token over
+speculative time per token. Medusa-2 and LayerSkip change the target's own weights: they verify
+with (and are timed against) their trained model, as the `verifier` field says.
+
+The speedup model (Leviathan et al. 2023) for every fixed-length chain: alpha = accepted / offered
+draft positions at temperature 0 (the i.i.d. acceptance that fits the measured per-position
+rates), c = drafter seconds per drafted token / target seconds per verification forward, both
+from that evaluation's timing; speedup(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c))
+for gamma = 1..8 (Medusa: up to its number of heads), gamma* its argmax, which is then measured.
+
+Writes the JSON, a Markdown table (`.md`) and three plots beside it: tau by method, acceptance by
+draft position, tau against training step (the runs' checkpoint evaluations in metrics.jsonl).
+
+Time on 2 CPU cores at the defaults: training 6 methods x 5 min = 30 min, plus per run ~1.5 min
+of start-up, data and checkpoint evaluations (~9 min); evaluation of 15 variants x 20 prompts at
+~1.5 s per prompt and variant for both temperatures (plain + speculative + the greedy check, each
+<= 128 tokens at ~4 ms per target forward) = ~8 min, plus gamma* re-measurements and model loading
+(~2 min): ~50 min in all. The evaluation's share scales with prompts x tokens, training with
+`--budget-minutes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.evaluate import render_prompts
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.proposers import (
+    DraftModel,
+    Lookahead,
+    PromptLookup,
+    Proposer,
+    load_proposer,
+    truncated_copy,
+)
+from draftsmith.decoding.verify import Sampling
+from draftsmith.models.export import find_drafter
+from draftsmith.models.layerskip import decoder_layers, final_norm
+from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
+from draftsmith.models.target import REFERENCE_TARGET, Target
+
+REPO = Path(__file__).resolve().parent.parent
+GAMMAS = range(1, 9)
+TEMPERATURES = (0.0, 1.0)
+
+
+# ---- the methods ---------------------------------------------------------------------------------------
+
+@dataclass
+class Drafting:
+    """One way to decode with a method: the model that verifies, and its proposer at a chain length gamma."""
+
+    verifier: nn.Module
+    proposer: Callable[[int | None], Proposer]
+    modules: list[nn.Module] = field(default_factory=list)  # what the drafter runs, to count its parameters
+    gamma: int | None = None  # fixed chain length; None where drafts vary (trees, n-gram matches)
+    max_gamma: int = max(GAMMAS)
+
+
+def _ngram(drafter_dir, target) -> dict[str, Drafting]:
+    return {"chain": Drafting(target, lambda g: PromptLookup(num_pred_tokens=10, max_ngram_size=2))}
+
+
+def _lookahead(drafter_dir, target) -> dict[str, Drafting]:
+    # window 2, n-gram 3, 2 guesses: the CPU-sized setting of scripts/bench_decode.py
+    return {"tree": Drafting(target, lambda g: Lookahead(window=2, ngram=3, guesses=2))}
+
+
+def _draft(drafter_dir, target) -> dict[str, Drafting]:
+    draft = truncated_copy(target, 2)  # untrained: the target's first 2 layers, weights shared
+    return {"chain": Drafting(target, lambda g: DraftModel(draft, target.config.vocab_size, g), [draft], gamma=5)}
+
+
+def _medusa(drafter_dir, target) -> dict[str, Drafting]:
+    frozen = json.loads((drafter_dir / "drafter.json").read_text())["medusa"]["backbone"] == "frozen"
+    drafter = load_medusa(drafter_dir, Target(target) if frozen else None)  # Medusa-2: its merged backbone verifies
+    model, heads, K = drafter.target.model, drafter.heads, drafter.heads.num_heads
+    out = {"chain": Drafting(model, lambda g: MedusaProposer(heads, chain_choices(g)), [heads], gamma=K, max_gamma=K)}
+    if drafter.choices:  # the tree measured at the best checkpoint
+        out["tree"] = Drafting(model, lambda g: MedusaProposer(heads, drafter.choices), [heads])
+    return out
+
+
+def _layerskip(drafter_dir, target) -> dict[str, Drafting]:
+    model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()  # the early-exit-trained target
+    exit_layer = json.loads((drafter_dir / "drafter.json").read_text())["exit_layer"]
+    runs = [model.get_input_embeddings(), *decoder_layers(model)[:exit_layer], final_norm(model),
+            model.get_output_embeddings()]
+    return {"chain": Drafting(model, lambda g: load_proposer(str(drafter_dir), model, gamma=g), runs, gamma=4)}
+
+
+def _distill(drafter_dir, target) -> dict[str, Drafting]:
+    gamma = json.loads((drafter_dir / "drafter.json").read_text())["gamma"]
+    draft = DraftModel.from_pretrained(drafter_dir, target).model
+    return {"chain": Drafting(target, lambda g: DraftModel(draft, target.config.vocab_size, g), [draft], gamma=gamma)}
+
+
+@dataclass(frozen=True)
+class Method:
+    key: str
+    name: str
+    build: Callable[[Path | None, nn.Module], dict[str, Drafting]]  # (drafter dir, target) -> variants
+    script: str = ""  # train/*.py; empty: nothing to train
+    recipe: str = ""
+    curve: str = "eval/tau"  # the checkpoint metric plotted against step; {fields} from drafter.json
+
+
+METHODS = [
+    Method("ngram", "prompt lookup (n-gram)", _ngram),
+    Method("lookahead", "lookahead", _lookahead),
+    Method("draft", "draft model (untrained, 2 layers)", _draft),
+    Method("medusa1", "Medusa-1", _medusa, "train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml"),
+    Method("medusa2", "Medusa-2", _medusa, "train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml"),
+    Method("eagle1", "EAGLE-1", None, "train/eagle.py", "recipes/eagle/eagle1-tiny-code.yaml"),
+    Method("eagle3", "EAGLE-3", None, "train/eagle3.py", "recipes/eagle/eagle3-tiny-code.yaml"),
+    Method("layerskip", "LayerSkip", _layerskip, "train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
+           "eval/tau_exit{exit_layer}"),
+    Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),
+]
+BY_KEY = {m.key: m for m in METHODS}
+
+
+def unavailable(method: Method) -> str | None:
+    """Why a method cannot run in this checkout, or None."""
+    for rel in (method.script, method.recipe):
+        if rel and not (REPO / rel).is_file():
+            return f"not available: {rel} does not exist"
+    if method.build is None:
+        return "not available: no proposer builder in scripts/bench.py yet"
+    return None
+
+
+# ---- training ------------------------------------------------------------------------------------------
+
+def recipe_output_dir(method: Method) -> Path:
+    out = Path(yaml.safe_load((REPO / method.recipe).read_text())["loop"]["output_dir"])
+    return out if out.is_absolute() else REPO / out
+
+
+def has_drafter(run: Path) -> bool:
+    try:
+        find_drafter(run)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def overrides_for(method: Method, overrides: list[str]) -> list[str]:
+    """`key=value` applies to every method, `METHOD:key=value` to that one only."""
+    out = []
+    for o in overrides:
+        head, _, value = o.partition("=")
+        only, _, key = head.rpartition(":")
+        if not only or only == method.key:
+            out.append(f"{key}={value}")
+    return out
+
+
+def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str]) -> float:
+    """Train (or resume) `method` into `run` under the budget; returns the wall seconds, evaluations included."""
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(REPO / method.script), "--config", str(REPO / method.recipe), f"target.path={target}",
+           f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", *overrides_for(method, overrides)]
+    print(f"[{method.key}] training: {' '.join(cmd[1:])} (log: {run / 'train.log'})", flush=True)
+    start = time.perf_counter()
+    with open(run / "train.log", "a") as log:
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = (run / "train.log").read_text().strip().splitlines()[-1:]
+        raise RuntimeError(f"training failed (exit {done.returncode}): {tail[0] if tail else ''} (see {run}/train.log)")
+    return time.perf_counter() - start
+
+
+def training_record(run: Path, drafter_dir: Path, curve: str) -> dict:
+    """What the run recorded: steps and training seconds of its last checkpoint, the best step, tau by step."""
+    ckpts = sorted(run.glob("checkpoint-*/state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+    state = json.loads(ckpts[-1].read_text()) if ckpts else {}
+    best = drafter_dir / "best.json"
+    key = curve.format(**json.loads((drafter_dir / "drafter.json").read_text()))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").is_file() else []
+    config = run / "config.yaml"
+    return {"run": str(run), "drafter": str(drafter_dir), "steps": state.get("step"),
+            "train_seconds": state.get("train_seconds"),  # absent in runs older than loop.max_minutes
+            "best_step": json.loads(best.read_text())["step"] if best.is_file() else None,
+            "max_minutes": yaml.safe_load(config.read_text())["loop"].get("max_minutes") if config.is_file() else None,
+            "curve_metric": key, "curve": [[r["step"], r[key]] for r in rows if key in r]}
+
+
+# ---- evaluation ----------------------------------------------------------------------------------------
+
+def _sampling(temperature: float, seed: int) -> Sampling:
+    return Sampling(temperature, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def measure(verifier, make: Callable[[], Proposer], prompts: list[torch.Tensor], max_new_tokens: int,
+            temperature: float, seed: int) -> tuple[dict, DecodeStats]:
+    """Per prompt, back to back: plain decoding, then speculative decoding (seed + i for both)."""
+    spec, plain, matches = DecodeStats(), DecodeStats(), True
+    proposer = make()
+    speculative_generate(verifier, proposer, prompts[0], 4)  # warm-up, not timed
+    plain_generate(verifier, prompts[0], 4)
+    for i, x in enumerate(prompts):
+        plain_generate(verifier, x, max_new_tokens, _sampling(temperature, seed + i), stats=plain)
+        out, _ = speculative_generate(verifier, proposer, x, max_new_tokens, _sampling(temperature, seed + i),
+                                      stats=spec)
+        if temperature == 0:
+            matches &= torch.equal(out, verifier.generate(x, max_new_tokens=max_new_tokens, do_sample=False))
+    per_token = (spec.wall_s / spec.new_tokens)
+    return {**spec.summary(), "speedup": (plain.wall_s / plain.new_tokens) / per_token,
+            "plain_wall_s": plain.wall_s, "plain_new_tokens": plain.new_tokens,
+            "greedy_matches_target": matches if temperature == 0 else None}, spec
+
+
+def predicted_speedup(alpha: float, c: float, gamma: int) -> float:
+    """Expected tokens per step over its cost in target forwards: (1 - a^(g+1)) / ((1 - a)(1 + g c))."""
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (1 + gamma * c)
+
+
+def speedup_model(stats: DecodeStats, gamma: int, max_gamma: int) -> dict:
+    """alpha and c from one chain evaluation; predicted speedup for each gamma; gamma* its argmax."""
+    alpha = sum(stats.passed.values()) / max(1, sum(stats.reached.values()))
+    c = (stats.drafter_s / max(1, stats.drafted)) / (stats.target_s / max(1, stats.steps))
+    predicted = {g: predicted_speedup(alpha, c, g) for g in GAMMAS if g <= max_gamma}
+    best = max(predicted, key=predicted.get)
+    tau = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return {"alpha": alpha, "c": c, "gamma": gamma, "predicted_tau": tau, "predicted_speedup": predicted[gamma],
+            "predicted_by_gamma": {str(g): s for g, s in predicted.items()}, "gamma_star": best,
+            "predicted_at_gamma_star": predicted[best]}
+
+
+def count_params(modules: list[nn.Module], verifier: nn.Module) -> tuple[int, int]:
+    """(parameters the drafter runs, those of them not shared with the verifying model)."""
+    params = {p.data_ptr(): p.numel() for m in modules for p in m.parameters()}
+    shared = {p.data_ptr() for p in verifier.parameters()}
+    return sum(params.values()), sum(n for ptr, n in params.items() if ptr not in shared)
+
+
+def evaluate_method(variants: dict[str, Drafting], prompts, max_new_tokens: int, seed: int) -> dict:
+    out = {}
+    for name, d in variants.items():
+        make = functools.partial(d.proposer, d.gamma)
+        verifier = d.verifier.eval()
+        total, new = count_params(d.modules, verifier)
+        row = {"gamma": d.gamma, "drafter_params": total, "new_params": new, "by_temperature": {}}
+        for temperature in TEMPERATURES:
+            result, stats = measure(verifier, make, prompts, max_new_tokens, temperature, seed)
+            row["by_temperature"][f"{temperature:g}"] = result
+            print(f"    {name} T={temperature:g}: tau {result['tau']:.3f} speedup {result['speedup']:.2f}x"
+                  + (f" greedy==target {result['greedy_matches_target']}" if temperature == 0 else ""), flush=True)
+            if temperature == 0 and d.gamma is not None:
+                model = speedup_model(stats, d.gamma, d.max_gamma)
+                model["measured_speedup"] = result["speedup"]
+                if model["gamma_star"] != d.gamma:
+                    star, _ = measure(verifier, functools.partial(d.proposer, model["gamma_star"]), prompts,
+                                      max_new_tokens, 0.0, seed)
+                    model.update(measured_at_gamma_star=star["speedup"], tau_at_gamma_star=star["tau"],
+                                 greedy_matches_target_at_gamma_star=star["greedy_matches_target"])
+                row["speedup_model"] = model
+        out[name] = row
+    return out
+
+
+# ---- output --------------------------------------------------------------------------------------------
+
+def _rounded(x, digits: int = 4):
+    if isinstance(x, float):
+        return round(x, digits)
+    if isinstance(x, dict):
+        return {k: _rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v, digits) for v in x]
+    return x
+
+
+def _training_cell(entry: dict) -> str:
+    t = entry.get("training")
+    if not t:
+        return "none"
+    s = t.get("train_seconds")
+    seconds = "time not recorded" if s is None else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
+    return f"{t['steps']} steps, {seconds} ({'reused' if t['reused'] else 'trained here'})"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n else "0"
+
+
+def markdown(board: dict) -> str:
+    s = board["settings"]
+    lines = [f"Leaderboard: `{s['command']}`, target `{s['target']}`, {s['num_prompts']} held-out prompts x "
+             f"{s['max_new_tokens']} new tokens, batch 1, {s['device']}, {s['torch_threads']} torch threads, "
+             f"training budget {s['budget_minutes']:g} min per method. tau counts the bonus token; T=1 is exact "
+             "(lossless) sampling; speedup is wall-clock against the verifying model's plain decoding, timed back "
+             "to back per prompt (noisy on shared cores). Drafter params: run per draft (not shared with the "
+             "target).", "",
+             "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | speedup T=0 | speedup T=1 "
+             "| acceptance by position, T=0 | greedy = target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for entry in board["methods"].values():
+        if entry["status"] != "ok":
+            lines.append(f"| {entry['name']} | | | | | | | | {entry['status']} | |")
+            continue
+        for variant, row in entry["variants"].items():
+            t0, t1 = row["by_temperature"]["0"], row["by_temperature"]["1"]
+            acc = " ".join(f"{a:.2f}" for a in t0["acceptance_by_position"][:5])
+            name = entry["name"] + ("" if entry["verifier"] == "target" else f" ({entry['verifier']})")
+            decoding = variant + (f" gamma={row['gamma']}" if row["gamma"] else "")
+            lines.append(f"| {name} | {decoding} | {_params(row['drafter_params'])} ({_params(row['new_params'])}) "
+                         f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {t0['speedup']:.2f}x "
+                         f"| {t1['speedup']:.2f}x | {acc} | {'yes' if t0['greedy_matches_target'] else 'NO'} |")
+    lines += ["", "Speedup model (chains, T=0): alpha = accepted / offered positions, c = drafter time per drafted "
+              "token / target time per verification; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c)).",
+              "", "| method | gamma | alpha | c | tau predicted / measured | speedup predicted / measured | gamma* "
+              "| speedup at gamma*: predicted / measured |", "|---|---|---|---|---|---|---|---|"]
+    for entry in board["methods"].values():
+        for variant, row in entry.get("variants", {}).items():
+            m = row.get("speedup_model")
+            if not m:
+                continue
+            star = (f"{m['predicted_at_gamma_star']:.2f}x / {m['measured_at_gamma_star']:.2f}x"
+                    if "measured_at_gamma_star" in m else "(same gamma)")
+            lines.append(f"| {entry['name']} {variant} | {m['gamma']} | {m['alpha']:.3f} | {m['c']:.3f} "
+                         f"| {m['predicted_tau']:.2f} / {row['by_temperature']['0']['tau']:.2f} "
+                         f"| {m['predicted_speedup']:.2f}x / {m['measured_speedup']:.2f}x | {m['gamma_star']} | {star} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(board: dict, out: Path) -> list[Path]:
+    """tau by method, acceptance by draft position, tau against training step: PNGs named after `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{e['name']} {v}", r) for e in board["methods"].values() for v, r in e.get("variants", {}).items()]
+    paths = [out.with_name(f"{out.stem}_{name}.png") for name in ("tau", "acceptance", "tau_vs_step")]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.4
+    for j, t in enumerate(("0", "1")):
+        ax.bar([i + (j - 0.5) * width for i in range(len(rows))], [r["by_temperature"][t]["tau"] for _, r in rows],
+               width, label=f"T={t}")
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=30, ha="right")
+    ax.set(ylabel="tau (tokens per target forward)", title="tau by method")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in rows:
+        acc = r["by_temperature"]["0"]["acceptance_by_position"][:8]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+    ax.set(xlabel="draft position", ylabel="conditional acceptance (T=0)", ylim=(0, 1.05),
+           title="acceptance by draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for e in board["methods"].values():
+        curve = (e.get("training") or {}).get("curve")
+        if curve:
+            ax.plot([s for s, _ in curve], [t for _, t in curve], marker="o", label=f"{e['name']} ({e['training']['curve_metric']})")
+    ax.set(xlabel="training step", ylabel="tau at checkpoint evaluation", title="tau against training step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close("all")
+    return paths
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+
+def run_method(method: Method, args, target, prompts) -> dict:
+    entry: dict = {"name": method.name, "script": method.script or None, "recipe": method.recipe or None}
+    why = unavailable(method)
+    if why:
+        return {**entry, "status": why}
+    drafter_dir = None
+    if method.script:
+        run = args.runs_dir / method.key
+        candidates = [run, recipe_output_dir(method)] if args.reuse else []
+        found = next((c for c in candidates if has_drafter(c)), None)
+        wall = None
+        if found is None:
+            wall = train(method, run, args.budget_minutes, str(args.target), args.override)
+            found = run
+        drafter_dir = find_drafter(found)
+        entry["training"] = {**training_record(found, drafter_dir, method.curve), "reused": wall is None,
+                             "wall_seconds_with_evaluations": wall}
+    start = time.perf_counter()
+    variants = method.build(drafter_dir, target)
+    entry["verifier"] = "target" if all(v.verifier is target for v in variants.values()) else "own trained backbone"
+    entry["variants"] = evaluate_method(variants, prompts, args.max_new_tokens, args.seed)
+    entry["eval_seconds"] = time.perf_counter() - start
+    return {**entry, "status": "ok"}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", choices=list(BY_KEY), default=list(BY_KEY))
+    parser.add_argument("--budget-minutes", type=float, default=5.0, help="training time per method (loop.max_minutes)")
+    parser.add_argument("--reuse", action="store_true", help="evaluate existing runs instead of training")
+    parser.add_argument("--target", type=Path, default=REFERENCE_TARGET)
+    parser.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for every training run (data.limit=200), or for one (layerskip:loop.lr=1e-4)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "leaderboard.json")
+    args = parser.parse_args(argv)
+    if args.budget_minutes <= 0:
+        raise SystemExit("--budget-minutes must be > 0")
+    if not (args.target / "config.json").is_file():
+        raise SystemExit(f"--target {args.target}: no config.json there; pass a Hugging Face model directory")
+
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    prompts = render_prompts(tokenizer, load_prompts(args.prompts, limit=args.num_prompts))
+    board = {"settings": {
+        "command": " ".join(["python scripts/bench.py", *(argv if argv is not None else sys.argv[1:])]),
+        "target": str(args.target), "prompts": str(args.prompts), "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "temperatures": list(TEMPERATURES), "seed": args.seed,
+        "budget_minutes": args.budget_minutes, "reuse": args.reuse, "overrides": args.override,
+        "device": "CPU", "torch_threads": torch.get_num_threads(), "batch_size": 1,
+        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                     text=True).stdout.strip()}, "methods": {}}
+    for key in args.methods:
+        method = BY_KEY[key]
+        print(f"[{key}] {method.name}", flush=True)
+        try:
+            board["methods"][key] = run_method(method, args, target, prompts)
+        except (RuntimeError, ValueError, OSError, KeyError) as e:
+            board["methods"][key] = {"name": method.name, "status": f"failed: {e}"}
+        if board["methods"][key]["status"] != "ok":
+            print(f"[{key}] {board['methods'][key]['status']}", flush=True)
+    board["settings"]["total_seconds"] = time.perf_counter() - start
+    board = _rounded(board)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(board, indent=2) + "\n")
+    table = markdown(board)
+    args.out.with_suffix(".md").write_text(table)
+    plots(board, args.out)
+    print(table)
+    return board
+
+
+if __name__ == "__main__":
+    main()

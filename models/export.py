@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 # module that registers the formats of each method, imported on first use
-PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill"}
+PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill",
+             "eagle": "draftsmith.models.eagle_export"}
 
 
 @dataclass(frozen=True)

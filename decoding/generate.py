@@ -11,6 +11,13 @@ but fed as the root of the first verification, so every target forward after the
 verification that commits `accepted + 1` tokens (the +1 is the bonus token). tau = new tokens /
 verification forwards; the prefill forward is counted in neither. A step cut short by EOS or
 max_new_tokens counts the tokens it actually committed, so plain decoding has tau = 1 exactly.
+
+A proposer whose draft already ran part of the target (LayerSkip's early exit) may offer the hook
+`proposer.target_forward(cache) -> forward | None`, called once per sequence with the target's KV
+cache: the returned forward replaces `target.base_model` in verification, takes the same keyword
+arguments and returns the same `last_hidden_state` (after the final norm; architectures in
+PLAIN_HEAD only). Such a proposer may extend the cache while drafting; `kv.keep` then rolls every
+layer back to the committed prefix as usual.
 """
 
 from __future__ import annotations
@@ -102,16 +109,18 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
         prefill = target(input_ids=ids[None, :-1], cache=cache, use_cache=True,
                          output_hidden_states=bool(layers))
     proposer.reset()
+    hook = getattr(proposer, "target_forward", None)  # optional, see the module docstring
+    forward = (hook(cache) if hook else None) or (target.base_model if lazy else target)
     proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
     new = 0
     while new < max_new_tokens:
+        cache_len = cache.get_seq_length()  # before drafting, which may extend the early layers
         t0 = _clock(device)
         tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1).to(device)
         t1 = _clock(device)
-        cache_len = cache.get_seq_length()
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
         chain = bool((tree.parents == torch.arange(-1, len(tree) - 1, device=device)).all())
-        out = (target.base_model if lazy else target)(  # a chain needs no tree mask: the model's causal one
+        out = forward(  # a chain needs no tree mask: the model's causal one
             input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
             attention_mask=None if chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))

@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from draftsmith.decoding.proposers import DraftModel, truncated_copy
+from draftsmith.decoding import cache as kv
+from draftsmith.decoding.generate import attention_masks
+from draftsmith.decoding.proposers import DraftModel, Proposer, truncated_copy
+from draftsmith.decoding.tree import DraftTree, position_ids
+from draftsmith.decoding.verify import Sampling, sample, warp
 from draftsmith.models.lm import masked_ce
 from draftsmith.train.config import ConfigError
 
@@ -191,13 +198,129 @@ class LayerSkip(nn.Module):
             self.tokenizer.save_pretrained(out)
 
 
-class EarlyExit(DraftModel):
-    """Self-speculation: the target's first E layers + final norm + LM head draft a chain of gamma tokens.
+# Decoders whose forward the split forward reproduces (read from their transformers source): embed_tokens,
+# rotary_emb (Gemma-3: one per layer type), layers called with (hidden, attention_mask, position_embeddings,
+# position_ids, cache), masks per `config.layer_types`, final norm; all in the decoder's PLAIN_HEAD set.
+SPLIT_FORWARD = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
-    The draft shares every weight with the target and keeps its own cache of the first E layers;
-    tokens it drafted and the target accepted keep their cached keys and values, so only the
-    bonus token is fed again. (The verifying forward still recomputes layers [:E] for the drafted
-    tokens: the paper's exit-query cache, which skips that, needs a split forward.)
+
+class SplitForward:
+    """The target's decoder run in two parts over one KV cache: layers [:E] and layers [E:].
+
+    It calls the model's own embedding, decoder layers, rotary embedding module and final norm, with
+    masks in the form the model's forward takes (`decoding.generate.attention_masks`: one additive
+    4-D mask, or one per layer type with the sliding window applied). Every call runs a chain: its
+    tokens sit at the positions right after those cached in the first layer it runs.
+    """
+
+    def __init__(self, target: nn.Module, exit_layer: int):
+        model_type = target.config.model_type
+        if model_type not in SPLIT_FORWARD:
+            raise ValueError(f"exit-query cache: no split forward for model_type {model_type!r} (supported: "
+                             f"{', '.join(SPLIT_FORWARD)}); use EarlyExitDraft, which recomputes layers [:E]")
+        self.layers, L = decoder_layers(target), target.config.num_hidden_layers
+        if not 1 <= exit_layer < L:
+            raise ValueError(f"exit layer {exit_layer} must be in 1..{L - 1} for a {L}-layer target")
+        self.config, self.decoder, self.E = target.config, target.get_decoder(), exit_layer
+        self.layer_types = getattr(target.config, "layer_types", None)
+        self.rope_per_type = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(ids[None])  # [1, s, H]
+
+    def run(self, hidden: torch.Tensor, layers: range, cache) -> torch.Tensor:
+        """Decoder layers `layers` on hidden [1, s, H]; appends the s tokens to those layers' cache."""
+        start, s = cache.get_seq_length(layers.start), hidden.shape[1]
+        parents = torch.arange(-1, s - 2, device=hidden.device)  # the s tokens as a chain: [root, nodes]
+        masks = attention_masks(self.config, parents, start, hidden.dtype)  # [1, 1, s, start+s] (or one per type)
+        positions = position_ids(parents, start)  # [1, s]
+        rope = self.decoder.rotary_emb
+        pe = ({t: rope(hidden, positions, t) for t in set(self.layer_types)} if self.rope_per_type
+              else rope(hidden, positions))
+        for i in layers:
+            kind = self.layer_types[i] if self.layer_types else None
+            hidden = self.layers[i](hidden, attention_mask=masks[kind] if isinstance(masks, dict) else masks,
+                                    position_embeddings=pe[kind] if self.rope_per_type else pe,
+                                    position_ids=positions, cache=cache, use_cache=True)  # [1, s, H]
+        return hidden
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.norm(hidden)
+
+
+class EarlyExit(Proposer):
+    """Self-speculation with the exit-query cache (LayerSkip, Sec. 5): the target's first E layers + final
+    norm + LM head draft a chain of gamma tokens, and verification reuses what the draft computed.
+
+    Drafting runs layers [:E] into the target's own KV cache, one token at a time (the root, then every
+    drafted token but the last), keeping the exit layer's hidden states. Verification (`target_forward`,
+    the decoder's hook) runs layers [:E] only for the tokens the draft did not feed (the last drafted
+    one), continues the exit hidden states through layers [E:], and so never does the draft's work twice.
+    The first E layers' KV lives once; the decoder's rollback crops every layer to the committed prefix.
+    """
+
+    def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.split, self.exit_layer, self.gamma = SplitForward(target, exit_layer), exit_layer, gamma
+        self.head, self.cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
+        self.L, self.cache = target.config.num_hidden_layers, None
+        self.reset()
+
+    def reset(self) -> None:
+        self.fed: list[int] = []  # tokens the draft ran through layers [:E] this step
+        self.exit_hidden = None  # [1, len(fed), H] their exit-layer hidden states
+
+    def target_forward(self, cache):
+        """The decoder's hook: draft into the target's `cache` and verify with `verify_forward`."""
+        self.cache = cache
+        return self.verify_forward
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.split.norm(hidden))  # [V]
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+    @torch.no_grad()
+    def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        feed, tokens, qs, hidden = ids[-1:], [], [], []
+        for _ in range(self.gamma):
+            hidden.append(self.split.run(self.split.embed(feed), range(self.exit_layer), self.cache))  # [1, 1, H]
+            logits = self._logits(hidden[-1][0, -1])  # [V]
+            if sampling.greedy:
+                x = int(logits.argmax())
+            else:
+                qs.append(warp(logits, sampling))  # [V]
+                x = sample(qs[-1], sampling.generator)
+            tokens.append(x)
+            feed = torch.tensor([x], device=ids.device)
+        self.fed, self.exit_hidden = [int(ids[-1])] + tokens[:-1], torch.cat(hidden, 1)  # [1, gamma, H]
+        return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
+
+    def verify_forward(self, input_ids: torch.Tensor, attention_mask, cache, **kwargs) -> BaseModelOutputWithPast:
+        """Verify [root, nodes] (input_ids [1, n+1], a chain: attention_mask None); positions follow the cache."""
+        if attention_mask is not None:
+            raise ValueError("the exit-query cache verifies chains only (the decoder passes a mask for trees)")
+        tokens = input_ids[0].tolist()
+        k = 0  # leading tokens the draft fed: their [:E] KV is cached and their exit hidden states kept
+        while k < min(len(self.fed), len(tokens)) and self.fed[k] == tokens[k]:
+            k += 1
+        kv.crop(cache, cache.get_seq_length(self.exit_layer) + k)  # the first k tokens' [:E] KV is the draft's
+        hidden = self.exit_hidden[:, :k]  # [1, k, H] exit query cache
+        if k < len(tokens):  # the last drafted token (the draft never fed it) still needs layers [:E]
+            rest = self.split.run(self.split.embed(input_ids[0, k:]), range(self.exit_layer), cache)  # [1, n+1-k, H]
+            hidden = torch.cat([hidden, rest], 1)  # [1, n+1, H]
+        hidden = self.split.run(hidden, range(self.exit_layer, self.L), cache)  # [1, n+1, H]
+        self.fed = []
+        return BaseModelOutputWithPast(last_hidden_state=self.split.norm(hidden))
+
+
+class EarlyExitDraft(DraftModel):
+    """Self-speculation without the exit-query cache: the target's first E layers as a separate draft model.
+
+    `truncated_copy` shares every weight with the target and keeps its own cache of the first E layers
+    (accepted draft tokens keep their entries, so only the bonus token is fed again); the verifying
+    forward recomputes layers [:E] for the drafted tokens. Works for any architecture `truncated_copy`
+    can cut (GPT-2 too); the baseline the exit-query cache is timed against.
     """
 
     def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
@@ -205,9 +328,19 @@ class EarlyExit(DraftModel):
         self.exit_layer = exit_layer
 
 
-def load_proposer(path: str | Path, target: nn.Module, exit_layer: int | None = None, gamma: int = 4) -> EarlyExit:
+def early_exit(target: nn.Module, exit_layer: int, gamma: int = 4) -> EarlyExit | EarlyExitDraft:
+    """EarlyExit where the split forward supports the architecture; otherwise EarlyExitDraft, with a warning."""
+    if target.config.model_type in SPLIT_FORWARD:
+        return EarlyExit(target, exit_layer, gamma)
+    warnings.warn(f"exit-query cache: no split forward for {target.config.model_type!r}; drafting with a truncated "
+                  "copy that keeps its own cache (verification recomputes layers [:E])", stacklevel=2)
+    return EarlyExitDraft(target, exit_layer, gamma)
+
+
+def load_proposer(path: str | Path, target: nn.Module, exit_layer: int | None = None,
+                  gamma: int = 4) -> EarlyExit | EarlyExitDraft:
     """The early-exit proposer for a LayerSkip export (`drafter.json` names its exit layer)."""
     import json
 
     info = json.loads((Path(path) / "drafter.json").read_text())
-    return EarlyExit(target, exit_layer or info["exit_layer"], gamma)
+    return early_exit(target, exit_layer or info["exit_layer"], gamma)

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.models.layerskip import EarlyExit, LayerSkip, LayerSkipConfig
+from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
 from draftsmith.train.loop import Loop, collate
@@ -73,7 +73,7 @@ def evaluate_checkpoint(method: LayerSkip, heldout: list[dict], prompts: list[to
     metrics = heldout_scores(method, heldout)
     model = method.plain_model()  # the early-exit draft shares its weights
     for E in cfg.exit_layers if prompts else ():
-        results = evaluate(model, EarlyExit(model, E, cfg.gamma), prompts, cfg.max_new_tokens, check_greedy=False,
+        results = evaluate(model, early_exit(model, E, cfg.gamma), prompts, cfg.max_new_tokens, check_greedy=False,
                            baselines=baselines)
         metrics[f"tau_exit{E}"], metrics[f"speedup_exit{E}"] = results["tau"], results["speedup"]
     if prompts:

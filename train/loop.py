@@ -7,10 +7,20 @@ rates), `save_pretrained(dir)` (the artefact evaluation and export read) and `ex
 everything else: accelerate, gradient accumulation, mixed precision, clipping, schedule,
 trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
+Distributed runs (launcher configs in recipes/accelerate/): under DDP and DeepSpeed ZeRO-2 every
+rank holds the whole target; rank 0 evaluates at checkpoints while the others wait, and rank 0
+alone writes metadata, trackers and exports. Under ZeRO-3 the target is sharded, so every rank
+runs the same (greedy, deterministic) evaluation in lockstep, each forward gathering its layers.
+DeepSpeed's optimizer state is sharded: it is saved and restored with accelerate's
+`save_state`/`load_state` (frozen parameters excluded) and only under the world size that wrote
+it; DDP checkpoints resume under any world size. FSDP is refused at start (see `Loop.__init__`).
+
 Run directory layout:
     config.yaml, command.txt, metrics.jsonl
     checkpoint-<step>/  trainable.safetensors, optimizer.pt, scheduler.pt, rng.safetensors,
-                        state.json, model/ (method.save_pretrained)
+                        state.json, model/ (method.save_pretrained);
+                        under DeepSpeed deepspeed/ (every rank's ZeRO shards) instead of
+                        optimizer.pt and scheduler.pt
     best/               a copy of the best checkpoint's model/ plus best.json
 """
 
@@ -27,13 +37,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -57,6 +68,7 @@ class LoopState:
     best_value: float | None = None
     evals_since_best: int = 0
     train_seconds: float = 0.0  # wall time spent in training steps (evaluations and saves excluded)
+    world_size: int = 1  # processes that wrote the checkpoint (micro_batch counts global micro-batches of it)
 
 
 class EpochSampler:
@@ -155,6 +167,11 @@ def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
+    _replace(tmp, final)
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary directory into place, replacing any older one."""
     old = final.with_name(final.name + ".old")
     if final.exists():
         final.rename(old)
@@ -175,8 +192,12 @@ class Loop:
                              "or set loop.tracker=none")
         if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
+        # the ranks that wait while rank 0 evaluates must not time out: allow long evaluations
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=tracker,
-                                       project_dir=str(self.run_dir))
+                                       project_dir=str(self.run_dir), gradient_accumulation_steps=cfg.grad_accum,
+                                       step_scheduler_with_optimizer=False,
+                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
+        self._check_launch()
         set_seed(cfg.seed)
         groups = method.param_groups(cfg.lr) if hasattr(method, "param_groups") else \
             [{"params": [p for p in method.parameters() if p.requires_grad]}]
@@ -185,7 +206,8 @@ class Loop:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
-        self.state = LoopState()
+        self.state = LoopState(world_size=self.accelerator.num_processes)
+        self.saved_step = -1  # step of the last checkpoint written or loaded
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(run_config or {}, sort_keys=False))
@@ -195,40 +217,93 @@ class Loop:
         if cfg.resume == "auto" and checkpoints(self.run_dir):
             self.load(checkpoints(self.run_dir)[-1])
 
+    def _check_launch(self) -> None:
+        """Refuse launches this loop cannot serve; fill DeepSpeed's "auto" batch and clipping from the recipe."""
+        acc, cfg = self.accelerator, self.cfg
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != acc.num_processes:
+            raise RuntimeError(f"{launched} processes were launched but accelerate sees {acc.num_processes}: without "
+                               "GPUs launch DDP with ACCELERATE_USE_CPU=true (gloo); DeepSpeed and FSDP need GPUs")
+        if acc.distributed_type == DistributedType.FSDP:
+            raise ValueError("FSDP shards the target, but checkpoint evaluation and export read it whole outside "
+                             "FSDP's forward; launch with recipes/accelerate/zero3.yaml (sharded) or zero2.yaml / ddp.yaml")
+        if acc.distributed_type != DistributedType.DEEPSPEED:
+            return
+        ds = acc.state.deepspeed_plugin.deepspeed_config
+        want = {"train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,
+                "train_batch_size": cfg.batch_size * cfg.grad_accum * acc.num_processes,
+                "gradient_clipping": cfg.grad_clip}
+        for key, value in want.items():
+            ds[key] = value if ds.get(key, "auto") == "auto" else ds[key]
+            if ds[key] != value:
+                raise ValueError(f"the DeepSpeed config sets {key}={ds[key]} but the recipe implies {value}; "
+                                 "set it to \"auto\" in the JSON (loop.batch_size, loop.grad_accum, loop.grad_clip decide)")
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    @property
+    def zero3(self) -> bool:
+        return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+
     @property
     def unwrapped(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.method)
 
+    def _whole_trainable(self):
+        """Context in which the trainable parameters are whole on every rank (ZeRO-3 gathers them)."""
+        if not self.zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([p for p in self.method.parameters() if p.requires_grad])
+
     # ---- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, metrics: dict) -> Path:
-        """Write checkpoint-<step> atomically, prune old ones, and refresh best/."""
-        self.accelerator.wait_for_everyone()
+    def save(self, metrics: dict, is_best: bool = False) -> Path:
+        """Write checkpoint-<step> atomically (every rank its DeepSpeed shards, rank 0 the rest), prune old
+        ones, and refresh best/."""
+        acc = self.accelerator
         final = self.run_dir / f"checkpoint-{self.state.step}"
-        if self.accelerator.is_main_process:
-            model = self.unwrapped
-
-            def write(d: Path) -> None:
-                save_file(trainable_state(model), d / "trainable.safetensors")
-                torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
-                torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
-                tensors, meta = _rng_state()
-                save_file(tensors, d / "rng.safetensors")
-                extra = model.extra_state() if hasattr(model, "extra_state") else None
-                (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics,
-                                                          "method": extra}))
-                if hasattr(model, "save_pretrained"):
-                    model.save_pretrained(d / "model")
-            _atomic_dir(final, write)
-            is_best = self._update_best(metrics)
+        tmp = final.with_name(final.name + ".tmp")
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        if self.deepspeed:
+            acc.save_state(str(tmp / "deepspeed"), exclude_frozen_parameters=True)
+        with self._whole_trainable():
+            if acc.is_main_process:
+                self._write(tmp, metrics)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            _replace(tmp, final)
             if is_best and (final / "model").exists():
                 _atomic_dir(self.run_dir / "best", lambda d: (
                     shutil.copytree(final / "model", d, dirs_exist_ok=True),
                     (d / "best.json").write_text(json.dumps({"step": self.state.step, **metrics}))))
             for old in checkpoints(self.run_dir)[: -self.cfg.keep_last]:
                 shutil.rmtree(old)
-        self.accelerator.wait_for_everyone()
+        acc.wait_for_everyone()
+        self.saved_step = self.state.step
         return final
+
+    def _write(self, d: Path, metrics: dict) -> None:
+        """Rank 0's part of a checkpoint: trainable weights, optimizer and scheduler (unless DeepSpeed holds
+        them), RNG, loop and method state, and the method's own artefact."""
+        model = self.unwrapped
+        save_file(trainable_state(model), d / "trainable.safetensors")
+        if not self.deepspeed:
+            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
+        tensors, meta = _rng_state()
+        save_file(tensors, d / "rng.safetensors")
+        extra = model.extra_state() if hasattr(model, "extra_state") else None
+        (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics,
+                                                  "method": extra}))
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(d / "model")
 
     def _update_best(self, metrics: dict) -> bool:
         key = self.cfg.best_metric
@@ -246,24 +321,42 @@ class Loop:
 
     def load(self, ckpt: Path) -> None:
         """Restore weights, optimizer, scheduler, data position and RNG from a checkpoint."""
-        model = self.unwrapped
-        weights = load_file(ckpt / "trainable.safetensors")
-        expected = {n for n, p in model.named_parameters() if p.requires_grad}
-        if set(weights) != expected:
-            raise ValueError(f"{ckpt} does not match this method's trainable parameters "
-                             f"(missing {sorted(expected - set(weights))[:3]}, extra {sorted(set(weights) - expected)[:3]}); "
-                             "resume with the same recipe or set loop.resume=never with a new loop.output_dir")
-        model.load_state_dict(weights, strict=False)
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        acc, model = self.accelerator, self.unwrapped
         state = json.loads((ckpt / "state.json").read_text())
+        world = state.get("world_size", 1)
+        if self.deepspeed != (ckpt / "deepspeed").is_dir():
+            raise ValueError(f"{ckpt} was written {'with' if not self.deepspeed else 'without'} DeepSpeed; resume "
+                             "with the launcher config that wrote it, or set loop.resume=never with a new loop.output_dir")
+        if self.deepspeed:
+            if world != acc.num_processes:
+                raise ValueError(f"{ckpt} holds DeepSpeed ZeRO shards of {world} processes, not {acc.num_processes}; "
+                                 f"resume with {world} processes (sharded optimizer state), or set loop.resume=never")
+            acc.load_state(str(ckpt / "deepspeed"), load_module_strict=False)
+        else:
+            weights = load_file(ckpt / "trainable.safetensors")
+            expected = {n for n, p in model.named_parameters() if p.requires_grad}
+            if set(weights) != expected:
+                raise ValueError(f"{ckpt} does not match this method's trainable parameters "
+                                 f"(missing {sorted(expected - set(weights))[:3]}, extra {sorted(set(weights) - expected)[:3]}); "
+                                 "resume with the same recipe or set loop.resume=never with a new loop.output_dir")
+            model.load_state_dict(weights, strict=False)
+            self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+            self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         _set_rng_state(load_file(ckpt / "rng.safetensors"), state.pop("rng"))
         state.pop("metrics", None)
         extra = state.pop("method", None)
         if extra is not None:
             model.load_extra_state(extra)
         self.state = LoopState(**state)
-        self.accelerator.print(f"resumed from {ckpt} at step {self.state.step}")
+        examples = self.state.micro_batch * self.cfg.batch_size * world  # of this epoch, all ranks together
+        per_micro = self.cfg.batch_size * acc.num_processes
+        if examples % per_micro:
+            raise ValueError(f"{ckpt} stopped {examples} examples into its epoch, not a whole number of "
+                             f"{per_micro}-example global micro-batches; resume with {world} processes")
+        self.state.micro_batch, self.state.world_size = examples // per_micro, acc.num_processes
+        self.saved_step = self.state.step
+        acc.print(f"resumed from {ckpt} at step {self.state.step}"
+                  + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else ""))
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -291,16 +384,14 @@ class Loop:
             t_step = time.perf_counter()
             metrics_step: dict[str, float] = {}
             losses = []
-            for micro in range(cfg.grad_accum):
+            for _ in range(cfg.grad_accum):
                 try:
                     epoch, last_in_epoch, j, batch = next(stream)
                 except StopIteration:
                     return self._finish("max_epochs reached")
-                sync = micro == cfg.grad_accum - 1
-                ctx = acc.no_sync(self.method) if not sync else contextlib.nullcontext()
-                with ctx, acc.autocast():
+                with acc.accumulate(self.method), acc.autocast():  # syncs (and DeepSpeed steps) on the last
                     loss, metrics = self.method(batch)
-                    acc.backward(loss / cfg.grad_accum)
+                    acc.backward(loss)  # divided by grad_accum by accelerate (by DeepSpeed under DeepSpeed)
                 losses.append(loss.detach())
                 for k, v in metrics.items():
                     metrics_step[k] = metrics_step.get(k, 0.0) + float(v) / cfg.grad_accum
@@ -327,7 +418,8 @@ class Loop:
                 window.setdefault(k, []).append(v)
             if self.state.step % cfg.log_every == 0 or self.state.step == cfg.max_steps:
                 dt = time.perf_counter() - t0
-                row = {k: sum(v) / len(v) for k, v in window.items()}
+                means = torch.tensor([sum(v) / len(v) for v in window.values()], dtype=torch.float64)
+                row = dict(zip(window, acc.reduce(means.to(acc.device), "mean").tolist(), strict=True))  # all ranks
                 row.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / dt, epoch=self.state.epoch)
                 self.log(row)
                 window, tokens, t0 = {}, 0, time.perf_counter()
@@ -347,22 +439,25 @@ class Loop:
         return float(self.accelerator.reduce(seconds, "max"))
 
     def checkpoint(self) -> bool:
-        """Evaluate, save, and say whether early stopping is due."""
+        """Evaluate (rank 0 while the others wait; every rank in lockstep under ZeRO-3), save, and say whether
+        early stopping is due. The time spent here is not training time."""
         metrics = {}
         if self.evaluate is not None:
-            self.method.eval()
             t = time.perf_counter()
-            with torch.no_grad():
-                metrics = self.evaluate(self.unwrapped, self.state.step)
+            if self.zero3 or self.accelerator.is_main_process:
+                self.method.eval()
+                with torch.no_grad():
+                    metrics = self.evaluate(self.unwrapped, self.state.step)
+                self.method.train()
+            metrics = broadcast_object_list([metrics])[0]
             metrics["eval_seconds"] = time.perf_counter() - t
-            self.method.train()
             self.log({f"eval/{k}": v for k, v in metrics.items()})
-        self.save(metrics)
+        self.save(metrics, self._update_best(metrics))
         p = self.cfg.early_stop_patience
         return bool(p) and self.state.evals_since_best >= p
 
     def _finish(self, why: str) -> LoopState:
-        if not (self.run_dir / f"checkpoint-{self.state.step}").exists():
+        if self.saved_step != self.state.step:
             self.checkpoint()
         self.bar.close()
         self.accelerator.print(f"done at step {self.state.step}: {why}")

@@ -1,0 +1,133 @@
+"""Multi-process training on one machine, launched the way users launch: `accelerate launch`.
+
+Without GPUs accelerate forms a gloo process group when ACCELERATE_USE_CPU=true:
+
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 train/medusa.py ...
+
+A 2-process run (batch b per rank) is compared with a 1-process run of the same global batch
+(batch b, grad_accum 2): both average the same two per-micro-batch mean losses, so the loss curves
+and weights agree up to float summation order (tolerances below). DeepSpeed runs on CPU with one
+process only (with two, accelerate and DeepSpeed disagree on the world size; the loop refuses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+LOSS_RTOL = 1e-5  # loss curves, 2 processes vs 1 with the same global batch
+WEIGHT_ATOL = 1e-6  # trainable weights after 4 steps
+
+TINY = ["data.limit=48", "data.max_length=256", "data.overlong=truncate", "data.on_no_assistant=drop",
+        "data.cache=false", "eval.heldout_examples=8", "eval.num_prompts=1", "eval.max_new_tokens=4",
+        "loop.log_every=1", "loop.lr=1e-2", "loop.keep_last=5", "loop.max_steps=4", "loop.save_every=2"]
+# recipe name -> (entry script, recipe, overrides for a tiny run); adding a recipe is one line
+RECIPES = {
+    "medusa1": ("train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml",
+                [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
+}
+
+
+def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch` an entry script on `processes` CPU processes (gloo) for a tiny run."""
+    entry, yaml, overrides = RECIPES[recipe]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    how = ["--config_file", config_file] if config_file else ["--multi_gpu"] if processes > 1 else []
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(processes),
+           "--main_process_port", str(port), entry, "--config", yaml, f"target.path={target}",
+           f"loop.output_dir={out}", *overrides, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false" if config_file else "true"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    return done
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def evals(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if any(k.startswith("eval/") for k in r)}
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / f"checkpoint-{step}" / "trainable.safetensors")
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = WEIGHT_ATOL):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+def resume_from(src: Path, step: int, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    shutil.copytree(src / f"checkpoint-{step}", dst / f"checkpoint-{step}")
+    return dst
+
+
+@pytest.fixture(scope="module", params=list(RECIPES))
+def pair(request, tiny_chat_target, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(recipe, 1-process run with batch 2 x grad_accum 2, 2-process run with batch 2): 4 steps, checkpoints at 2, 4."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    one, two = tmp / "one", tmp / "two"
+    launch(request.param, tiny_chat_target, one, 1, "loop.batch_size=2", "loop.grad_accum=2")
+    launch(request.param, tiny_chat_target, two, 2, "loop.batch_size=2", "loop.grad_accum=1")
+    return request.param, one, two
+
+
+def test_two_processes_match_one_process_with_the_same_global_batch(pair):
+    _, one, two = pair
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert a[4] < a[1], "the tiny run must actually train"
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+    assert_close(weights(one, 4), weights(two, 4))
+
+
+def test_evaluation_at_checkpoints_under_two_processes_finishes_once(pair):
+    _, _, two = pair
+    rows = evals(two)
+    assert sorted(rows) == [2, 4], "one evaluation row per checkpoint (rank 0 logs it, the other rank waits)"
+    assert all(r["eval/tau"] >= 1.0 and r["eval/eval_seconds"] > 0 for r in rows.values())
+    assert (two / "best" / "best.json").is_file()
+    state = json.loads((two / "checkpoint-4" / "state.json").read_text())
+    assert state["world_size"] == 2 and state["train_seconds"] > 0
+
+
+def test_resume_under_two_processes_is_exact(pair, tiny_chat_target, tmp_path):
+    recipe, _, two = pair
+    resumed = resume_from(two, 2, tmp_path / "resumed")
+    launch(recipe, tiny_chat_target, resumed, 2, "loop.batch_size=2", "loop.grad_accum=1")
+    assert sorted(losses(resumed)) == [3, 4]
+    for step, loss in losses(resumed).items():
+        assert loss == losses(two)[step]
+    assert_close(weights(resumed, 4), weights(two, 4), atol=0)
+
+
+def test_resume_with_another_world_size(pair, tiny_chat_target, tmp_path):
+    """A DDP checkpoint holds the whole optimizer state: 2 processes write it, 1 process (same global batch) resumes."""
+    recipe, _, two = pair
+    resumed = resume_from(two, 2, tmp_path / "resumed")
+    done = launch(recipe, tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2")
+    assert "2 processes wrote it, 1 resume it" in done.stdout
+    for step, loss in losses(resumed).items():
+        assert loss == pytest.approx(losses(two)[step], rel=LOSS_RTOL)
+    assert_close(weights(resumed, 4), weights(two, 4))

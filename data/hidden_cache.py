@@ -1,0 +1,269 @@
+"""Offline hidden states for EAGLE: the frozen target's features written once, read back by training.
+
+    python scripts/cache_hidden_states.py --config recipes/eagle3/tiny-code.yaml --out DIR
+
+Only what the method reads is stored: `hidden`, the final post-norm hidden state [T, H] (EAGLE-1's
+feature and, through the target's LM head, the soft targets of both versions: logits are never
+stored), and for EAGLE-3 `aux`, the chosen `hidden_states[i]` concatenated in `layers` order
+[T, n*H]. Per token that is (1 + n) * H * bytes(dtype), plus 9 bytes of token columns.
+
+Layout of DIR:
+    manifest.json            target path and fingerprint (config, sampled weights), layers, dtype,
+                             data fingerprint, the shard plan, and `complete` (false until the
+                             last shard is in place)
+    shard-00000.safetensors  a run of consecutive rows, concatenated along tokens:
+                             input_ids [T] int32, loss_mask [T] int8, position_ids [T] int32,
+                             offsets [r + 1] int64 (row k is tokens offsets[k]:offsets[k+1]),
+                             hidden [T, H], aux [T, n*H]
+
+Each shard is written under a temporary name and renamed into place, so a shard file is whole or
+absent; an interrupted run resumes at the first missing shard. The reader opens shards lazily and
+memory-mapped, and reads a row's features only when `row["hidden"]` / `row["aux"]` is asked for, so
+a pass over the token columns (e.g. building the draft vocabulary) never touches the features.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftsmith.train.loop import collate
+
+MANIFEST = "manifest.json"
+FORMAT = "draftsmith-hidden-cache/1"
+TOKEN_BYTES = 4 + 1 + 4  # input_ids int32, loss_mask int8, position_ids int32
+DISK_MARGIN = 1.05, 256 << 20  # refuse unless free space >= estimate * 1.05 + 256 MiB
+TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")
+
+
+class CacheError(ValueError):
+    """A hidden-state cache that cannot be written or does not fit the target / method reading it."""
+
+
+def target_fingerprint(target) -> str:
+    """sha256 of the target's config (architecture, sizes, dtype) and of 64 evenly spaced values of every
+    weight tensor: what decides its hidden states, cheap even for a large model."""
+    config = {k: v for k, v in target.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, p in target.model.named_parameters():
+        sample = p.detach().reshape(-1)[:: max(1, p.numel() // 64)][:64].contiguous().cpu()  # [<= 64]
+        h.update(name.encode() + sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rows(dataset) -> Iterator[dict[str, list[int]]]:
+    """The token columns of each row; position_ids default to 0..len-1 (what the target uses without them)."""
+    for i in range(len(dataset)):
+        row = dataset[i]
+        ids = list(row["input_ids"])
+        pos = row["position_ids"] if "position_ids" in row else range(len(ids))
+        yield {"input_ids": ids, "loss_mask": list(row["loss_mask"]), "position_ids": list(pos)}
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
+    """Consecutive rows cut into shards of at most `shard_tokens` tokens (a longer row gets a shard of its own)."""
+    shards, first, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if tokens and tokens + n > shard_tokens:
+            shards.append({"first_row": first, "rows": i - first, "tokens": tokens})
+            first, tokens = i, 0
+        tokens += n
+    if tokens:
+        shards.append({"first_row": first, "rows": len(lengths) - first, "tokens": tokens})
+    for k, s in enumerate(shards):
+        s["file"] = f"shard-{k:05d}.safetensors"
+    return shards
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_tokens: int = 1 << 20,
+                dtype: torch.dtype | str = torch.bfloat16, batch_size: int = 8, meta: dict | None = None,
+                log: Callable[[str], None] = print) -> dict:
+    """Write the target's `hidden` (and, with `layers`, `aux`) for every row of `dataset` under `out_dir`.
+
+    Args:
+        target: a `models.target.Target` (frozen); its forwards run under no_grad, `batch_size` rows at a time.
+        dataset: rows with input_ids, loss_mask and optionally position_ids (`data.dataset.build_dataset`).
+        layers: Hugging Face hidden_states indices stored as `aux` (EAGLE-3); [] stores `hidden` only (EAGLE-1).
+        shard_tokens: tokens per shard; host memory holds one shard's features, shard_tokens*(1+n)*H values.
+        meta: provenance kept in the manifest (e.g. the recipe's data config and the command).
+    Returns the manifest. Resumes a partial cache of the same target, layers, dtype and data; refuses (CacheError)
+    a directory holding anything else, and a disk without room for the remaining shards.
+    """
+    out = Path(out_dir)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    H = target.config.get_text_config().hidden_size
+    digest, lengths = hashlib.sha256(), []
+    for row in _rows(dataset):
+        for k in TOKEN_KEYS:
+            digest.update(torch.tensor(row[k], dtype=torch.int32).numpy().tobytes())
+        lengths.append(len(row["input_ids"]))
+    shards = plan_shards(lengths, shard_tokens)
+    bytes_per_token = (1 + len(layers)) * H * dtype.itemsize + TOKEN_BYTES
+    manifest = {"format": FORMAT, "target": str(target.path), "target_sha256": target_fingerprint(target),
+                "layers": list(layers), "hidden_size": H, "dtype": str(dtype).removeprefix("torch."),
+                "rows": len(lengths), "tokens": sum(lengths), "bytes_per_token": bytes_per_token,
+                "data_sha256": digest.hexdigest(), "shards": shards, "meta": meta or {}, "complete": False}
+
+    if (out / MANIFEST).is_file():
+        old = json.loads((out / MANIFEST).read_text())
+        if {**old, "target": "", "meta": {}, "complete": False} != {**manifest, "target": "", "meta": {}}:
+            raise CacheError(f"{out} holds a cache of another target, layers, dtype, data or shard size; "
+                             "pass a new --out or delete that directory")
+    elif out.exists() and any(out.iterdir()):
+        raise CacheError(f"{out} exists and is not a hidden-state cache; pass a new --out or empty that directory")
+    todo = [s for s in shards if not (out / s["file"]).is_file()]
+    missing = {s["file"] for s in todo}
+    need = sum(s["tokens"] for s in todo) * bytes_per_token
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    total = manifest["tokens"] * bytes_per_token
+    log(f"hidden cache: {manifest['tokens']} tokens x {bytes_per_token} bytes = {_size(total)} in {len(shards)} "
+        f"shards ({len(shards) - len(todo)} already written); {_size(need)} to write, {_size(free)} free at {out}")
+    if free < need * DISK_MARGIN[0] + DISK_MARGIN[1]:
+        raise CacheError(f"not enough disk for the hidden cache: {_size(need)} to write (+5% and 256 MiB margin) "
+                         f"but {_size(free)} free at {out}; free space, pick another --out, or cut data.limit")
+    _write_json(out / MANIFEST, manifest)
+
+    rows = _rows(dataset)
+    for s in shards:
+        shard_rows = [next(rows) for _ in range(s["rows"])]
+        if s["file"] in missing:
+            _write_shard(target, shard_rows, layers, out / s["file"], dtype, batch_size)
+            log(f"hidden cache: wrote {s['file']} ({s['rows']} rows, {s['tokens']} tokens)")
+    manifest["complete"] = True
+    _write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+@torch.no_grad()
+def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype: torch.dtype,
+                 batch_size: int) -> None:
+    """Forward `rows` through the target in batches and save their features as one shard, atomically."""
+    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # [r + 1]
+    H, T = target.config.get_text_config().hidden_size, int(offsets[-1])
+    tensors = {k: torch.tensor([t for r in rows for t in r[k]], dtype=torch.int8 if k == "loss_mask" else torch.int32)
+               for k in TOKEN_KEYS}  # each [T]
+    tensors["offsets"] = offsets
+    tensors["hidden"] = torch.empty(T, H, dtype=dtype)
+    if layers:
+        tensors["aux"] = torch.empty(T, len(layers) * H, dtype=dtype)
+    device = target.lm_head.weight.device
+    for lo in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[lo: lo + batch_size]).items()}
+        tap = target.tap(batch["input_ids"], batch.get("attention_mask"), batch["position_ids"], tuple(layers))
+        aux = torch.cat([tap.layers[i] for i in layers], -1) if layers else None  # [b, s, n*H]
+        for j in range(batch["input_ids"].shape[0]):
+            a, b = int(offsets[lo + j]), int(offsets[lo + j + 1])
+            tensors["hidden"][a:b] = tap.hidden[j, : b - a].to("cpu", dtype)  # [len, H]
+            if layers:
+                tensors["aux"][a:b] = aux[j, : b - a].to("cpu", dtype)  # [len, n*H]
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, tmp, metadata={"format": FORMAT})
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class CachedRow(Mapping):
+    """One cached row: token lists at hand, `hidden` [len, H] / `aux` [len, n*H] read from disk when asked for."""
+
+    def __init__(self, tokens: dict[str, list[int]], read: Callable[[str], torch.Tensor], features: tuple[str, ...]):
+        self.tokens, self.read, self.features = tokens, read, features
+
+    def __getitem__(self, key: str):
+        if key in self.tokens:
+            return self.tokens[key]
+        if key in self.features:
+            return self.read(key)
+        raise KeyError(key)
+
+    def __contains__(self, key) -> bool:
+        return key in self.tokens or key in self.features
+
+    def __iter__(self):
+        return iter((*self.tokens, *self.features))
+
+    def __len__(self) -> int:
+        return len(self.tokens) + len(self.features)
+
+
+class HiddenCache:
+    """A written cache as a map-style dataset: `cache[i]` -> input_ids, loss_mask, position_ids (lists),
+    hidden [len, H] and, for EAGLE-3, aux [len, n*H] (tensors in the cache's dtype, read lazily).
+
+    With `target` (and `layers`), refuses a cache written for another target (or other layers).
+    """
+
+    def __init__(self, path: str | Path, target=None, layers: list[int] | None = None):
+        self.path = Path(path)
+        if not (self.path / MANIFEST).is_file():
+            raise CacheError(f"{self.path} is not a hidden-state cache (no {MANIFEST}); write one with "
+                             "scripts/cache_hidden_states.py --config <recipe> --out DIR")
+        self.manifest = m = json.loads((self.path / MANIFEST).read_text())
+        if not m["complete"]:
+            done = sum((self.path / s["file"]).is_file() for s in m["shards"])
+            raise CacheError(f"hidden cache {self.path} is incomplete ({done} of {len(m['shards'])} shards); rerun "
+                             f"scripts/cache_hidden_states.py with the same recipe and --out {self.path} to resume it")
+        if target is not None and m["target_sha256"] != target_fingerprint(target):
+            raise CacheError(f"hidden cache {self.path} was written for another target ({m['target']}), not "
+                             f"{target.path}; write a cache of this target with scripts/cache_hidden_states.py "
+                             "and point offline.path at it")
+        if layers is not None and list(layers) != m["layers"]:
+            raise CacheError(f"hidden cache {self.path} holds layers {m['layers'] or 'final only'} but the method "
+                             f"reads {list(layers) or 'final only'}; write a cache with this recipe's eagle settings "
+                             "(scripts/cache_hidden_states.py) and point offline.path at it")
+        self.layers, self.hidden_size = m["layers"], m["hidden_size"]
+        self.features = ("hidden", "aux") if self.layers else ("hidden",)
+        self.starts = [s["first_row"] for s in m["shards"]]
+        self.open: dict[int, tuple] = {}  # shard -> (safe_open handle, offsets list)
+
+    def __len__(self) -> int:
+        return self.manifest["rows"]
+
+    def shard(self, k: int) -> tuple:
+        if k not in self.open:
+            f = safe_open(str(self.path / self.manifest["shards"][k]["file"]), framework="pt")
+            self.open[k] = f, f.get_tensor("offsets").tolist()
+        return self.open[k]
+
+    def __getitem__(self, i: int) -> CachedRow:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} out of range for a cache of {len(self)} rows")
+        i %= len(self)
+        k = bisect.bisect_right(self.starts, i) - 1
+        f, offsets = self.shard(k)
+        a, b = offsets[i - self.starts[k]], offsets[i - self.starts[k] + 1]
+        tokens = {key: f.get_slice(key)[a:b].tolist() for key in TOKEN_KEYS}
+        return CachedRow(tokens, lambda key: f.get_slice(key)[a:b], self.features)
+
+
+def collate_features(rows: list[Mapping]) -> dict[str, torch.Tensor]:
+    """Cached rows -> the batch `train.loop.collate` makes of their tokens (same padding and attention_mask),
+    plus hidden [b, s, H] and aux [b, s, n*H], zero-padded, in the cache's dtype (`Eagle.features` upcasts)."""
+    batch = collate([{k: r[k] for k in TOKEN_KEYS} for r in rows])
+    s = batch["input_ids"].shape[1]
+    for key in ("hidden", "aux"):
+        if key in rows[0]:
+            feats = [r[key] for r in rows]  # each [len, D]
+            batch[key] = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, s - x.shape[0])) for x in feats])
+    return batch

@@ -237,8 +237,7 @@ class Eagle(nn.Module):
     # ---- training-time test --------------------------------------------------------------------------
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, metrics = self.ttt(batch)
-        return loss, metrics
+        return self.ttt(batch)
 
     def ttt(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         """The unrolled training-time test; returns the weighted loss and per-step metrics:
@@ -255,8 +254,11 @@ class Eagle(nn.Module):
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
         with torch.no_grad():
             target_logits = self.target.logits(f.to(self.target.lm_head.weight.dtype)).float()  # [b, s, V]
+            greedy = target_logits.argmax(-1)  # [b, s] the target's next token at each position
+            if cfg.version == 3:  # soft targets over the draft vocabulary only
+                target_logits = target_logits[..., d.draft_ids]  # [b, s, Vd]
+            target_p = F.softmax(target_logits, -1)  # [b, s, Vd]
             emb = self.target.embed(ids).float()  # [b, s, H]
-        greedy = target_logits.argmax(-1)  # [b, s] target's next token at each position
         if self.training and cfg.feature_noise:
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
@@ -270,18 +272,16 @@ class Eagle(nn.Module):
             mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
             out = d(shift(emb, j), h, pos + k, mask, cache)  # [b, s, H]
             valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
-            p_logits, target_next = shift(target_logits, j), shift(greedy, j)  # [b, s, V], [b, s]
-            draft = d.logits(out, self.target.lm_head).float()  # [b, s, Vd]
-            if cfg.version == 3:
-                p = F.softmax(p_logits[..., d.draft_ids], -1)  # [b, s, Vd] target restricted to the draft vocab
-                train = valid & d.t2d[target_next]  # positions whose target argmax is drafted at all
-                step_loss = _masked_mean(-(p * F.log_softmax(draft, -1)).sum(-1), train)
+            p, target_next = shift(target_p, j), shift(greedy, j)  # [b, s, Vd], [b, s]
+            log_q = F.log_softmax(d.logits(out, self.target.lm_head).float(), -1)  # [b, s, Vd]
+            ce = -(p * log_q).sum(-1)  # [b, s]
+            if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
+                step_loss = _masked_mean(ce, valid & d.t2d[target_next])
             else:
-                ce = -(F.softmax(p_logits, -1) * F.log_softmax(draft, -1)).sum(-1)  # [b, s]
                 l1 = F.smooth_l1_loss(out, shift(f, j), reduction="none").mean(-1)  # [b, s]
                 step_loss = _masked_mean(cfg.feature_weight * l1 + cfg.token_weight * ce, valid)
             total = total + cfg.decay ** k * step_loss
-            ok = d.draft_ids[draft.argmax(-1)] == target_next  # [b, s]
+            ok = d.draft_ids[log_q.argmax(-1)] == target_next  # [b, s]
             metrics[f"loss_{k}"] = step_loss.item()
             metrics[f"acc_{k}"] = _masked_mean(ok.float(), valid).item()
             metrics[f"cond_acc_{k}"] = _masked_mean(ok.float(), valid & on_path).item()

@@ -46,7 +46,7 @@ from draftsmith.models.eagle import EagleDrafter, load_drafter
 from draftsmith.models.export import Format, register
 
 SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
-SPECULATORS_VERSION = "0.7.0"  # the speculators release whose config schema is written
+SPECULATORS_VERSION = "0.9.0"  # the speculators release this config was checked against (its config and model load it)
 VERSIONS = {"sglang": (3,), "vllm": (1, 3), "speculators": (3,)}  # EAGLE versions each format holds
 TRAINED = "hidden_states index: the input to decoder layer i (EAGLE repository)"
 SGLANG_IDS = "id i = the output of decoder layer i (SGLang captures the input to layer i + 1)"

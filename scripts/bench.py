@@ -13,8 +13,8 @@ Methods whose entry script or recipe is missing are reported as not available.
 
 Every decoding variant (chain; tree where the method has one) is then evaluated on the same
 held-out prompts at temperature 0 (greedy, output checked token by token against the verifying
-model's own `generate`) and temperature 1 (exact rejection sampling, so lossless), with one seed
-per prompt. Per prompt, plain decoding by the verifying model and speculative decoding run back
+model's plain greedy decoding) and temperature 1 (exact rejection sampling, so lossless), with one
+seed per prompt. Per prompt, plain decoding by the verifying model and speculative decoding run back
 to back, so both see the same load on a shared machine; speedup is plain time per token over
 speculative time per token. Medusa-2 and LayerSkip change the target's own weights: they verify
 with (and are timed against) their trained model, as the `verifier` field says.
@@ -28,12 +28,14 @@ for gamma = 1..8 (Medusa: up to its number of heads), gamma* its argmax, which i
 Writes the JSON, a Markdown table (`.md`) and three plots beside it: tau by method, acceptance by
 draft position, tau against training step (the runs' checkpoint evaluations in metrics.jsonl).
 
-Time on 2 CPU cores at the defaults: training 6 methods x 5 min = 30 min, plus per run ~1.5 min
-of start-up, data and checkpoint evaluations (~9 min); evaluation of 15 variants x 20 prompts at
-~1.5 s per prompt and variant for both temperatures (plain + speculative + the greedy check, each
-<= 128 tokens at ~4 ms per target forward) = ~8 min, plus gamma* re-measurements and model loading
-(~2 min): ~50 min in all. The evaluation's share scales with prompts x tokens, training with
-`--budget-minutes`.
+Time on 2 idle CPU cores at the defaults: training 6 methods x 5 min = 30 min, plus per run
+~1.5 min of start-up, data and checkpoint evaluations (~9 min); evaluation of 15 variants x 20
+prompts at ~1 s per prompt and variant for both temperatures (plain + speculative decoding, each
+<= 128 tokens at ~4 ms per target forward) = ~5 min, plus gamma* re-measurements and model loading
+(~3 min): ~47 min in all. The evaluation's share scales with prompts x tokens, training with
+`--budget-minutes`. Decoding and training run on `--threads 1` by default: a 10M-parameter target
+at batch 1 is latency-bound, and on cores shared with other jobs two OpenMP threads decoded 10x
+slower than one (measured: 450-760 ms against 46 ms per token at load average 8).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -195,8 +198,9 @@ def train(method: Method, run: Path, budget_minutes: float, target: str, overrid
            f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", *overrides_for(method, overrides)]
     print(f"[{method.key}] training: {' '.join(cmd[1:])} (log: {run / 'train.log'})", flush=True)
     start = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     with open(run / "train.log", "a") as log:
-        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         tail = (run / "train.log").read_text().strip().splitlines()[-1:]
         raise RuntimeError(f"training failed (exit {done.returncode}): {tail[0] if tail else ''} (see {run}/train.log)")
@@ -228,18 +232,21 @@ def _sampling(temperature: float, seed: int) -> Sampling:
 @torch.no_grad()
 def measure(verifier, make: Callable[[], Proposer], prompts: list[torch.Tensor], max_new_tokens: int,
             temperature: float, seed: int) -> tuple[dict, DecodeStats]:
-    """Per prompt, back to back: plain decoding, then speculative decoding (seed + i for both)."""
+    """Per prompt, back to back: plain decoding, then speculative decoding (seed + i for both).
+
+    At temperature 0 the speculative tokens must equal the plain greedy ones token for token (plain
+    decoding is checked against `generate(do_sample=False)` in tests/test_decoding_generate.py).
+    """
     spec, plain, matches = DecodeStats(), DecodeStats(), True
     proposer = make()
     speculative_generate(verifier, proposer, prompts[0], 4)  # warm-up, not timed
     plain_generate(verifier, prompts[0], 4)
     for i, x in enumerate(prompts):
-        plain_generate(verifier, x, max_new_tokens, _sampling(temperature, seed + i), stats=plain)
+        ref, _ = plain_generate(verifier, x, max_new_tokens, _sampling(temperature, seed + i), stats=plain)
         out, _ = speculative_generate(verifier, proposer, x, max_new_tokens, _sampling(temperature, seed + i),
                                       stats=spec)
-        if temperature == 0:
-            matches &= torch.equal(out, verifier.generate(x, max_new_tokens=max_new_tokens, do_sample=False))
-    per_token = (spec.wall_s / spec.new_tokens)
+        matches &= torch.equal(out, ref)
+    per_token = spec.wall_s / spec.new_tokens
     return {**spec.summary(), "speedup": (plain.wall_s / plain.new_tokens) / per_token,
             "plain_wall_s": plain.wall_s, "plain_new_tokens": plain.new_tokens,
             "greedy_matches_target": matches if temperature == 0 else None}, spec
@@ -428,6 +435,10 @@ def run_method(method: Method, args, target, prompts) -> dict:
     return {**entry, "status": "ok"}
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -439,6 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, for decoding and training runs")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for every training run (data.limit=200), or for one (layerskip:loop.lr=1e-4)")
@@ -450,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--target {args.target}: no config.json there; pass a Hugging Face model directory")
 
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target).eval()
@@ -460,8 +473,8 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens, "temperatures": list(TEMPERATURES), "seed": args.seed,
         "budget_minutes": args.budget_minutes, "reuse": args.reuse, "overrides": args.override,
         "device": "CPU", "torch_threads": torch.get_num_threads(), "batch_size": 1,
-        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                     text=True).stdout.strip()}, "methods": {}}
+        "git_commit": _git("rev-parse", "HEAD"), "git_modified": _git("diff", "--name-only", "HEAD").split()},
+        "methods": {}}
     for key in args.methods:
         method = BY_KEY[key]
         print(f"[{key}] {method.name}", flush=True)

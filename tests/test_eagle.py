@@ -288,7 +288,7 @@ def test_shipped_recipes_parse():
     entry = script("train/eagle.py")
     assert C.load(entry.Recipe, REPO / "recipes/eagle/tiny-code.yaml").eagle.version == 1
     cfg = C.load(entry.Recipe, REPO / "recipes/eagle3/tiny-code.yaml")
-    assert cfg.eagle.version == 3 and cfg.eagle.ttt_steps == 7 and cfg.loop.best_metric == "tau"
+    assert cfg.eagle.version == 3 and cfg.eagle.ttt_steps == 5 and cfg.loop.best_metric == "tau"
     with pytest.raises(C.ConfigError, match="did you mean"):
         C.load(entry.Recipe, REPO / "recipes/eagle3/tiny-code.yaml", ["eagle.ttt_step=3"])
 

@@ -72,7 +72,7 @@ class Recipe:
 
 
 def heldout_metrics(method: Eagle, rows: list[dict], batch_size: int = 8) -> dict[str, float]:
-    """Per-step held-out loss, accuracy and conditional acceptance (position-weighted over batches), and
+    """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches), and
     `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i, the chain's tau they predict."""
     device = method.drafter.fc.weight.device
     sums: dict[str, float] = {}

@@ -83,8 +83,11 @@ class EagleConfig:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """The EAGLE repository's choice: the inputs to layers 2, L//2 and L-3."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """The EAGLE repository's choice, the inputs to layers 2, L//2 and L-3; on targets too shallow for three
+    distinct such layers, the first distinct layers of 1..L-1 fill in (engines capture each layer once)."""
+    ids = {min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1)}
+    fill = [i for i in range(1, num_layers) if i not in ids]
+    return sorted(ids | set(fill[: max(0, 3 - len(ids))]))
 
 
 def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
@@ -214,6 +217,8 @@ class Eagle(nn.Module):
             bad = [i for i in self.layers if not 0 <= i <= L]
             if bad:
                 raise ConfigError(f"eagle.aux_layers: {bad} out of range for a {L}-layer target; use 0..{L}")
+            if len(set(self.layers)) != len(self.layers):
+                raise ConfigError(f"eagle.aux_layers: {self.layers} repeats a layer; list distinct layers")
         else:
             self.layers = []
         draft_ids = torch.arange(V) if draft_ids is None or cfg.version == 1 else draft_ids

@@ -167,6 +167,9 @@ def test_draft_vocab_is_the_most_frequent_masked_tokens_and_d2t_t2d_agree():
 def test_default_aux_layers_follow_the_eagle_repository():
     assert default_aux_layers(32) == [2, 16, 29]
     assert default_aux_layers(8) == [2, 4, 5]
+    assert default_aux_layers(6) == [1, 2, 3] and default_aux_layers(4) == [1, 2, 3]
+    with pytest.raises(ConfigError, match="repeats"):
+        Eagle(tiny_target(layers=4), EagleConfig(aux_layers=[1, 1, 2]))
     with pytest.raises(ConfigError, match="aux_layers"):
         Eagle(tiny_target(layers=4), EagleConfig(aux_layers=[1, 9]))
     with pytest.raises(ConfigError, match="only EAGLE-3"):

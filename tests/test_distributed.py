@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -131,3 +132,60 @@ def test_resume_with_another_world_size(pair, tiny_chat_target, tmp_path):
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(losses(two)[step], rel=LOSS_RTOL)
     assert_close(weights(resumed, 4), weights(two, 4))
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "zero3", "fsdp2", "multinode-zero2"])
+def test_launcher_configs_load_through_accelerate(name):
+    """Each config goes through `accelerate launch`'s own parsing, and its plugin is built from the environment
+    the launcher would hand to the processes."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", f"recipes/accelerate/{name}.yaml", "train/medusa.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    if name.startswith("ddp"):
+        assert args.multi_gpu and not (args.use_deepspeed or args.use_fsdp)
+    elif name == "fsdp2":
+        with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+            plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    else:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        _, env = prepare_deepspeed_cmd_env(args)
+        with mock.patch.dict(os.environ, env):
+            plugin = DeepSpeedPlugin()
+        assert plugin.zero_stage == int(name.split("zero")[1][0])
+        assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == "auto", "the recipe sets the batch"
+        assert "optimizer" not in plugin.deepspeed_config, "the loop builds the optimizer over the trainable part"
+    assert args.num_machines == (2 if name.startswith("multinode") else 1)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_on_one_cpu_process_matches_plain_training(stage, pair, tiny_chat_target, tmp_path):
+    """DeepSpeed (one process: all the CPU allows) trains exactly like the plain loop, evaluates at checkpoints
+    (ZeRO-3: in lockstep through its parameter gathering) and writes no frozen weight in its shards."""
+    recipe, one, _ = pair
+    run = tmp_path / stage
+    launch(recipe, tiny_chat_target, run, 1, "loop.batch_size=2", "loop.grad_accum=2",
+           config_file=f"recipes/accelerate/{stage}.yaml")
+    for step, loss in losses(one).items():
+        assert losses(run)[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+    assert_close(weights(run, 4), weights(one, 4))
+    assert sorted(evals(run)) == [2, 4]
+    for states in (run / "checkpoint-4" / "deepspeed").rglob("*model_states.pt"):
+        assert set(torch.load(states, weights_only=False)["module"]) == set(weights(run, 4)), "only the trainable part"
+    if stage == "zero3":
+        resumed = resume_from(run, 2, tmp_path / "resumed")
+        launch(recipe, tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2",
+               config_file=f"recipes/accelerate/{stage}.yaml")
+        assert losses(resumed) == {s: v for s, v in losses(run).items() if s > 2}
+        assert_close(weights(resumed, 4), weights(run, 4), atol=0)
+
+
+def test_deepspeed_with_two_cpu_processes_is_refused(tiny_chat_target, tmp_path):
+    """On CPU accelerate sees one process while DeepSpeed joins two: the loop refuses rather than train twice."""
+    done = launch("medusa1", tiny_chat_target, tmp_path / "run", 2, config_file="recipes/accelerate/zero2.yaml",
+                  check=False)
+    assert done.returncode != 0
+    assert "2 processes were launched but accelerate sees 1" in done.stderr

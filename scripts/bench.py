@@ -69,6 +69,7 @@ from draftsmith.decoding.proposers import (
     truncated_copy,
 )
 from draftsmith.decoding.verify import Sampling
+from draftsmith.models.eagle import EagleProposer
 from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
@@ -116,6 +117,17 @@ def _medusa(drafter_dir, target) -> dict[str, Drafting]:
     return out
 
 
+def _eagle(drafter_dir, target) -> dict[str, Drafting]:
+    first = load_proposer(str(drafter_dir), target)  # the drafter layer, on the target's embedding and LM head
+    runs = [first.drafter, first.embed, first.head]
+
+    def proposer(**kwargs) -> EagleProposer:
+        return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, **kwargs)
+    # the EAGLE-2 tree at scripts/bench_eagle.py's CPU size: top 8 per node, 5 rounds, 24 nodes kept
+    return {"chain": Drafting(target, lambda g: proposer(mode="chain", gamma=g), runs, gamma=5),
+            "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}
+
+
 def _layerskip(drafter_dir, target) -> dict[str, Drafting]:
     model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()  # the early-exit-trained target
     exit_layer = json.loads((drafter_dir / "drafter.json").read_text())["exit_layer"]
@@ -146,8 +158,8 @@ METHODS = [
     Method("draft", "draft model (untrained, 2 layers)", _draft),
     Method("medusa1", "Medusa-1", _medusa, "train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml"),
     Method("medusa2", "Medusa-2", _medusa, "train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml"),
-    Method("eagle1", "EAGLE-1", None, "train/eagle.py", "recipes/eagle/eagle1-tiny-code.yaml"),
-    Method("eagle3", "EAGLE-3", None, "train/eagle3.py", "recipes/eagle/eagle3-tiny-code.yaml"),
+    Method("eagle1", "EAGLE-1", _eagle, "train/eagle.py", "recipes/eagle/tiny-code.yaml"),
+    Method("eagle3", "EAGLE-3", _eagle, "train/eagle3.py", "recipes/eagle3/tiny-code.yaml"),
     Method("layerskip", "LayerSkip", _layerskip, "train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
            "eval/tau_exit{exit_layer}"),
     Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),
@@ -160,8 +172,6 @@ def unavailable(method: Method) -> str | None:
     for rel in (method.script, method.recipe):
         if rel and not (REPO / rel).is_file():
             return f"not available: {rel} does not exist"
-    if method.build is None:
-        return "not available: no proposer builder in scripts/bench.py yet"
     return None
 
 
@@ -329,7 +339,8 @@ def _params(n: int) -> str:
 
 def markdown(board: dict) -> str:
     s = board["settings"]
-    lines = [f"Leaderboard: `{s['command']}`, target `{s['target']}`, {s['num_prompts']} held-out prompts x "
+    commands = sorted({e["measured_by"] for e in board["methods"].values()}, key=len, reverse=True)
+    lines = [f"Leaderboard: {' and '.join(f'`{c}`' for c in commands)}; target `{s['target']}`, {s['num_prompts']} held-out prompts x "
              f"{s['max_new_tokens']} new tokens, batch 1, {s['device']}, {s['torch_threads']} torch threads, "
              f"training budget {s['budget_minutes']:g} min per method. tau counts the bonus token; T=1 is exact "
              "(lossless) sampling; speedup is wall-clock against the verifying model's plain decoding, timed back "
@@ -435,6 +446,22 @@ def run_method(method: Method, args, target, prompts) -> dict:
     return {**entry, "status": "ok"}
 
 
+SAME = ("target", "prompts", "num_prompts", "max_new_tokens", "temperatures", "seed", "budget_minutes", "torch_threads")
+
+
+def merged(board: dict, out: Path) -> dict:
+    """`board`'s methods over those of the leaderboard already at `out`, which must share its settings."""
+    if not out.is_file():
+        return board
+    old = json.loads(out.read_text())
+    differ = [k for k in SAME if old["settings"].get(k) != board["settings"][k]]
+    if differ:
+        raise SystemExit(f"--merge: {out} was measured with other {', '.join(differ)}; run without --merge")
+    methods = {**old["methods"], **board["methods"]}
+    return {"settings": {**board["settings"], "earlier": old["settings"].get("earlier", []) + [old["settings"]]},
+            "methods": {k: methods[k] for k in BY_KEY if k in methods}}
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
@@ -454,6 +481,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for every training run (data.limit=200), or for one (layerskip:loop.lr=1e-4)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other methods of an existing --out measured with the same settings")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "leaderboard.json")
     args = parser.parse_args(argv)
     if args.budget_minutes <= 0:
@@ -482,10 +511,11 @@ def main(argv: list[str] | None = None) -> dict:
             board["methods"][key] = run_method(method, args, target, prompts)
         except (RuntimeError, ValueError, OSError, KeyError) as e:
             board["methods"][key] = {"name": method.name, "status": f"failed: {e}"}
+        board["methods"][key]["measured_by"] = board["settings"]["command"]
         if board["methods"][key]["status"] != "ok":
             print(f"[{key}] {board['methods'][key]['status']}", flush=True)
     board["settings"]["total_seconds"] = time.perf_counter() - start
-    board = _rounded(board)
+    board = _rounded(merged(board, args.out) if args.merge else board)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(board, indent=2) + "\n")
     table = markdown(board)

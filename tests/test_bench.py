@@ -105,3 +105,15 @@ def test_reuse_reevaluates_without_training_and_gives_the_same_greedy_numbers(fi
                 a, b = row["by_temperature"][t], again["methods"][key]["variants"][variant]["by_temperature"][t]
                 assert {k: a[k] for k in same} == {k: b[k] for k in same}, (key, variant, t)
     assert json.loads((out / "again" / "leaderboard.json").read_text())["settings"]["reuse"] is True
+
+
+def test_merge_adds_methods_to_a_leaderboard_with_the_same_settings(first_run, tmp_path):
+    out, args, _ = first_run
+    board = tmp_path / "leaderboard.json"
+    board.write_text((out / "first" / "leaderboard.json").read_text())
+    only = [a for a in args if a not in ("draft", "medusa1")]  # --methods ngram
+    merged = bench().main([*only, "--merge", "--out", str(board)])
+    assert list(merged["methods"]) == ["ngram", "draft", "medusa1"] and len(merged["settings"]["earlier"]) == 1
+    assert "draft" in json.loads(board.read_text())["methods"]
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        bench().main([*only, "--max-new-tokens", "4", "--merge", "--out", str(board)])

@@ -1,15 +1,19 @@
 """The leaderboard: every drafter on the same target, the same held-out prompts, the same training budget.
 
-    python scripts/bench.py [--budget-minutes 5] [--methods ngram medusa1 ...] [--reuse]
-        [--num-prompts 20] [--max-new-tokens 128] [--runs-dir runs/bench] [--out benchmarks/leaderboard.json]
+    python scripts/bench.py [--budget-minutes 5] [--methods ngram medusa1 ...] [--reuse] [--merge]
+        [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--runs-dir runs/bench]
+        [--override [METHOD:]KEY=VALUE ...] [--out benchmarks/leaderboard.json]
 
 For each method of METHODS: train it on the target with its default recipe for at most
 `--budget-minutes` of training time (`loop.max_minutes`; evaluations excluded; the recipe's
 max_steps and LR schedule are kept, so a fast recipe may finish earlier: the steps and seconds it
 used are reported) into `--runs-dir/<method>`, resuming a run there if one was cut short. With
 `--reuse`, a run that already holds a drafter (in `--runs-dir/<method>`, else the recipe's own
-`loop.output_dir`) is evaluated as it is, with the training time its checkpoint recorded.
-Methods whose entry script or recipe is missing are reported as not available.
+`loop.output_dir`; `--run METHOD=DIR` names one) is evaluated as it is, with the training time its
+checkpoint recorded.
+Methods whose entry script or recipe is missing are reported as not available; `--merge` adds the
+methods of this command to the leaderboard already at `--out` (same evaluation settings required),
+so a recipe can join without re-measuring the others.
 
 Every decoding variant (chain; tree where the method has one) is then evaluated on the same
 held-out prompts at temperature 0 (greedy, output checked token by token against the verifying
@@ -337,15 +341,22 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n else "0"
 
 
+def _lossless(row: dict) -> bool:
+    """Every greedy check of a variant passed (at its gamma, and at gamma* where that was measured)."""
+    return row["by_temperature"]["0"]["greedy_matches_target"] and \
+        row.get("speedup_model", {}).get("greedy_matches_target_at_gamma_star", True)
+
+
 def markdown(board: dict) -> str:
     s = board["settings"]
     commands = sorted({e["measured_by"] for e in board["methods"].values()}, key=len, reverse=True)
-    lines = [f"Leaderboard: {' and '.join(f'`{c}`' for c in commands)}; target `{s['target']}`, {s['num_prompts']} held-out prompts x "
-             f"{s['max_new_tokens']} new tokens, batch 1, {s['device']}, {s['torch_threads']} torch threads, "
-             f"training budget {s['budget_minutes']:g} min per method. tau counts the bonus token; T=1 is exact "
-             "(lossless) sampling; speedup is wall-clock against the verifying model's plain decoding, timed back "
-             "to back per prompt (noisy on shared cores). Drafter params: run per draft (not shared with the "
-             "target).", "",
+    lines = [f"Measured by {' and '.join(f'`{c}`' for c in commands)}: target `{Path(s['target']).name}`, "
+             f"{s['num_prompts']} held-out prompts x {s['max_new_tokens']} new tokens, batch 1, {s['device']}, "
+             f"{s['torch_threads']} torch thread(s), training budget {s['budget_minutes']:g} min per method "
+             "(reused runs: their own recorded time).",
+             "tau counts the bonus token; T=1 is exact (lossless) sampling; speedup is wall-clock against the "
+             "verifying model's plain decoding, timed back to back per prompt (noisy on shared cores); "
+             "drafter params: run per draft (in brackets: not shared with the target).", "",
              "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | speedup T=0 | speedup T=1 "
              "| acceptance by position, T=0 | greedy = target |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -360,7 +371,7 @@ def markdown(board: dict) -> str:
             decoding = variant + (f" gamma={row['gamma']}" if row["gamma"] else "")
             lines.append(f"| {name} | {decoding} | {_params(row['drafter_params'])} ({_params(row['new_params'])}) "
                          f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {t0['speedup']:.2f}x "
-                         f"| {t1['speedup']:.2f}x | {acc} | {'yes' if t0['greedy_matches_target'] else 'NO'} |")
+                         f"| {t1['speedup']:.2f}x | {acc} | {'yes' if _lossless(row) else 'NO'} |")
     lines += ["", "Speedup model (chains, T=0): alpha = accepted / offered positions, c = drafter time per drafted "
               "token / target time per verification; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c)).",
               "", "| method | gamma | alpha | c | tau predicted / measured | speedup predicted / measured | gamma* "
@@ -429,8 +440,11 @@ def run_method(method: Method, args, target, prompts) -> dict:
     drafter_dir = None
     if method.script:
         run = args.runs_dir / method.key
+        given = args.run.get(method.key)
+        if given and not has_drafter(given):
+            raise ValueError(f"--run {method.key}={given}: no drafter there (no drafter.json, best/ or checkpoint)")
         candidates = [run, recipe_output_dir(method)] if args.reuse else []
-        found = next((c for c in candidates if has_drafter(c)), None)
+        found = given or next((c for c in candidates if has_drafter(c)), None)
         wall = None
         if found is None:
             wall = train(method, run, args.budget_minutes, str(args.target), args.override)
@@ -457,6 +471,8 @@ def merged(board: dict, out: Path) -> dict:
     differ = [k for k in SAME if old["settings"].get(k) != board["settings"][k]]
     if differ:
         raise SystemExit(f"--merge: {out} was measured with other {', '.join(differ)}; run without --merge")
+    for entry in old["methods"].values():
+        entry.setdefault("measured_by", old["settings"]["command"])
     methods = {**old["methods"], **board["methods"]}
     return {"settings": {**board["settings"], "earlier": old["settings"].get("earlier", []) + [old["settings"]]},
             "methods": {k: methods[k] for k in BY_KEY if k in methods}}
@@ -479,12 +495,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, for decoding and training runs")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
+    parser.add_argument("--run", nargs="*", default=[], metavar="METHOD=DIR",
+                        help="evaluate this existing run of a method instead of training it")
     parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for every training run (data.limit=200), or for one (layerskip:loop.lr=1e-4)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other methods of an existing --out measured with the same settings")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "leaderboard.json")
     args = parser.parse_args(argv)
+    args.run = dict(r.split("=", 1) for r in args.run)
+    bad = [k for k in args.run if k not in BY_KEY or not BY_KEY[k].script]
+    if bad:
+        raise SystemExit(f"--run {bad[0]}=...: not a trained method; choose from "
+                         f"{', '.join(m.key for m in METHODS if m.script)}")
+    args.run = {k: Path(v) for k, v in args.run.items()}
     if args.budget_minutes <= 0:
         raise SystemExit("--budget-minutes must be > 0")
     if not (args.target / "config.json").is_file():

@@ -253,12 +253,13 @@ class Distill(nn.Module):
         return math.floor((n + 1) * lam + 1e-9) > math.floor(n * lam + 1e-9)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        on_policy = self.training and self.cfg.lmbda > 0 and self.on_policy_due()
+        prompts = prompts_of(batch, self.cfg.on_policy_prompts) if self.training and self.cfg.lmbda > 0 else []
+        on_policy = bool(prompts) and self.on_policy_due()
         if self.training:
             self.steps += 1
         if on_policy:
-            batch = sample_on_policy(self.draft, prompts_of(batch, self.cfg.on_policy_prompts),
-                                     self.cfg.on_policy_tokens, self.cfg.temperature, self.eos, self.pad_id)
+            batch = sample_on_policy(self.draft, prompts, self.cfg.on_policy_tokens, self.cfg.temperature, self.eos,
+                                     self.pad_id)
         ids, mask = batch["input_ids"], batch["loss_mask"]
         inputs = {"input_ids": ids, "position_ids": batch.get("position_ids"),
                   "attention_mask": batch.get("attention_mask"), "use_cache": False}

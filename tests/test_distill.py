@@ -280,3 +280,14 @@ def test_export_loads_in_transformers_and_assisted_generation_equals_greedy(tiny
     x = tok("def add(a, b):", return_tensors="pt")["input_ids"]
     ours, stats = speculative_generate(model, DraftModel.from_pretrained(out, model, tok, gamma=3), x, 24)
     assert torch.equal(ours, model.generate(x, max_new_tokens=24, do_sample=False)) and stats.drafted > 0
+
+
+def test_bench_alpha_and_predicted_speedup():
+    spec = importlib.util.spec_from_file_location("bench_distill", REPO / "scripts" / "bench_distill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for alpha in (0.0, 0.3, 0.8):
+        tau = sum(alpha ** k for k in range(5))  # expected tokens per step at gamma 4 with i.i.d. acceptance alpha
+        assert bench.alpha_from_tau(tau, 4) == pytest.approx(alpha, abs=1e-6)
+        assert bench.predicted_speedup(alpha, 4, 0.0) == pytest.approx(tau)
+    assert bench.predicted_speedup(0.8, 4, 0.25) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))

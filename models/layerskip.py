@@ -1,4 +1,4 @@
-"""LayerSkip (Elhoushi et al. 2024): early-exit loss, its curricula, and layer dropout.
+"""LayerSkip (Elhoushi et al. 2024): early-exit loss, its curricula, layer dropout, and self-speculation.
 
 The target is trained so that its own first E layers, followed by the final norm and LM head,
 make a good drafter for the remaining layers (self-speculative decoding).
@@ -8,6 +8,11 @@ early layers l < L enabled at step t by the curriculum, with w_l proportional to
 scale (uniform: 1, linear: l, sum: 1 + ... + l, sqrt: sqrt(l), inverse: 1/l) normalised over the
 enabled layers. Layer dropout skips layer l for whole samples with p_l = p_max * (2^(l/(L-1)) - 1)
 (deeper layers are dropped more often; layer 0 never).
+
+Decoding: `EarlyExit` drafts with layers [:E] into the target's own KV cache, and verification
+skips layers [:E] for every token the draft already ran through them (the exit-query cache); it
+runs a Hugging Face decoder's own layers in two parts through `SplitForward`. `EarlyExitDraft` is
+the plain form (a truncated copy with its own cache) for architectures the split forward does not cover.
 """
 
 from __future__ import annotations
@@ -213,20 +218,18 @@ class SplitForward:
     tokens sit at the positions right after those cached in the first layer it runs.
     """
 
-    def __init__(self, target: nn.Module, exit_layer: int):
+    def __init__(self, target: nn.Module):
         model_type = target.config.model_type
         if model_type not in SPLIT_FORWARD:
             raise ValueError(f"exit-query cache: no split forward for model_type {model_type!r} (supported: "
                              f"{', '.join(SPLIT_FORWARD)}); use EarlyExitDraft, which recomputes layers [:E]")
-        self.layers, L = decoder_layers(target), target.config.num_hidden_layers
-        if not 1 <= exit_layer < L:
-            raise ValueError(f"exit layer {exit_layer} must be in 1..{L - 1} for a {L}-layer target")
-        self.config, self.decoder, self.E = target.config, target.get_decoder(), exit_layer
+        self.config, self.decoder, self.layers = target.config, target.get_decoder(), decoder_layers(target)
         self.layer_types = getattr(target.config, "layer_types", None)
         self.rope_per_type = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(ids[None])  # [1, s, H]
+        """Token embeddings of ids [s] (with the model's own scaling, e.g. Gemma's) -> [1, s, H]."""
+        return self.decoder.embed_tokens(ids[None])
 
     def run(self, hidden: torch.Tensor, layers: range, cache) -> torch.Tensor:
         """Decoder layers `layers` on hidden [1, s, H]; appends the s tokens to those layers' cache."""
@@ -245,12 +248,13 @@ class SplitForward:
         return hidden
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's final norm."""
         return self.decoder.norm(hidden)
 
 
 class EarlyExit(Proposer):
-    """Self-speculation with the exit-query cache (LayerSkip, Sec. 5): the target's first E layers + final
-    norm + LM head draft a chain of gamma tokens, and verification reuses what the draft computed.
+    """Self-speculation with the exit-query cache (LayerSkip): the target's first E layers + final norm
+    + LM head draft a chain of gamma tokens, and verification reuses what the draft computed.
 
     Drafting runs layers [:E] into the target's own KV cache, one token at a time (the root, then every
     drafted token but the last), keeping the exit layer's hidden states. Verification (`target_forward`,
@@ -260,11 +264,13 @@ class EarlyExit(Proposer):
     """
 
     def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
+        self.split, self.L = SplitForward(target), target.config.num_hidden_layers
+        if not 1 <= exit_layer < self.L:
+            raise ValueError(f"exit layer {exit_layer} must be in 1..{self.L - 1} for a {self.L}-layer target")
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
-        self.split, self.exit_layer, self.gamma = SplitForward(target, exit_layer), exit_layer, gamma
+        self.exit_layer, self.gamma, self.cache = exit_layer, gamma, None
         self.head, self.cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
-        self.L, self.cache = target.config.num_hidden_layers, None
         self.reset()
 
     def reset(self) -> None:
@@ -297,7 +303,8 @@ class EarlyExit(Proposer):
         return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
 
     def verify_forward(self, input_ids: torch.Tensor, attention_mask, cache, **kwargs) -> BaseModelOutputWithPast:
-        """Verify [root, nodes] (input_ids [1, n+1], a chain: attention_mask None); positions follow the cache."""
+        """Verify [root, nodes] (input_ids [1, n+1], a chain: attention_mask None). The decoder's other
+        arguments (position_ids, use_cache) are implied: the chain follows the committed prefix in `cache`."""
         if attention_mask is not None:
             raise ValueError("the exit-query cache verifies chains only (the decoder passes a mask for trees)")
         tokens = input_ids[0].tolist()

@@ -244,8 +244,9 @@ class Eagle(nn.Module):
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         return self.ttt(batch)
 
-    def ttt(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        """The unrolled training-time test; returns the weighted loss and per-step metrics:
+    def ttt(self, batch: dict, steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The training-time test unrolled `steps` times (default eagle.ttt_steps; evaluation may unroll further
+        than training did); returns the weighted loss and per-step metrics:
         loss_k, acc_k (draft top-1 = target top-1) and cond_acc_k, the acceptance decoding sees: the
         same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens."""
         cfg, d = self.cfg, self.drafter
@@ -272,7 +273,7 @@ class Eagle(nn.Module):
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         metrics: dict[str, float] = {}
-        for k in range(cfg.ttt_steps):
+        for k in range(steps or cfg.ttt_steps):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
             mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
             out = d(shift(emb, j), h, pos + k, mask, cache)  # [b, s, H]

@@ -71,18 +71,19 @@ class Recipe:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
-def heldout_metrics(method: Eagle, rows: list[dict], batch_size: int = 8) -> dict[str, float]:
-    """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches), and
-    `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i, the chain's tau they predict."""
+def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int = 8) -> dict[str, float]:
+    """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches) for `steps` unrolled
+    steps (the chain length, also beyond the steps trained), and `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
+    the chain's tau they predict."""
     device = method.drafter.fc.weight.device
     sums: dict[str, float] = {}
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
-        _, metrics = method.ttt(batch)
+        _, metrics = method.ttt(batch, steps)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v / -(-len(rows) // batch_size)
     prod, tau = 1.0, 1.0
-    for k in range(method.cfg.ttt_steps):
+    for k in range(steps):
         prod *= sums[f"cond_acc_{k}"]
         tau += prod
     return {**{f"heldout_{k}": v for k, v in sums.items()}, "expected_tau": tau}
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/e
                                        proposer_kwargs=cfg.eval.proposer_kwargs()) if cfg.eval.num_prompts else None
 
     def evaluate(m: Eagle, step: int) -> dict:
-        metrics = heldout_metrics(m, heldout)
+        metrics = heldout_metrics(m, heldout, cfg.eval.gamma)
         if decode is not None:
             metrics.update(decode(m, step))
             print(f"step {step}: tau={metrics['tau']:.3f} (expected from cond_acc {metrics['expected_tau']:.3f}; "

@@ -192,6 +192,13 @@ class LayerSkip(nn.Module):
     def load_extra_state(self, state: dict) -> None:
         self.curriculum.load_state_dict(state["curriculum"])
 
+    @property
+    def zero3_refusal(self) -> str:
+        """Why this run cannot use DeepSpeed ZeRO-3 (read by the loop at start; empty: it can)."""
+        return ("layerskip.lora=true evaluates a merged copy of the model, which ZeRO-3's sharded parameters cannot "
+                "make; launch with recipes/accelerate/zero2.yaml or ddp.yaml, or set layerskip.lora=false"
+                if self.cfg.lora else "")
+
     def plain_model(self) -> nn.Module:
         """The model as a plain Hugging Face model: with LoRA, a merged copy (training keeps its adapters)."""
         return copy.deepcopy(self.model).merge_and_unload() if self.cfg.lora else self.model

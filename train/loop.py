@@ -2,10 +2,11 @@
 
 A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its trainable
 parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
-rates), `save_pretrained(dir)` (the artefact evaluation and export read) and `extra_state()` /
-`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it). The loop owns
-everything else: accelerate, gradient accumulation, mixed precision, clipping, schedule,
-trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
+rates), `save_pretrained(dir)` (the artefact evaluation and export read), `extra_state()` /
+`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it) and
+`zero3_refusal` (why it cannot run on ZeRO-3's sharded parameters, and the fix; empty if it can).
+The loop owns everything else: accelerate, gradient accumulation, mixed precision, clipping,
+schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
 Distributed runs (launcher configs in recipes/accelerate/): under DDP and DeepSpeed ZeRO-2 every
 rank holds the whole target; rank 0 evaluates at checkpoints while the others wait, and rank 0
@@ -198,6 +199,8 @@ class Loop:
                                        step_scheduler_with_optimizer=False,
                                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
         self._check_launch()
+        if self.zero3 and getattr(method, "zero3_refusal", ""):
+            raise ValueError(method.zero3_refusal)
         set_seed(cfg.seed)
         groups = method.param_groups(cfg.lr) if hasattr(method, "param_groups") else \
             [{"params": [p for p in method.parameters() if p.requires_grad]}]

@@ -117,3 +117,13 @@ def test_merge_adds_methods_to_a_leaderboard_with_the_same_settings(first_run, t
     assert "draft" in json.loads(board.read_text())["methods"]
     with pytest.raises(SystemExit, match="max_new_tokens"):
         bench().main([*only, "--max-new-tokens", "4", "--merge", "--out", str(board)])
+
+
+def test_run_names_an_existing_run_and_bad_ones_fail_in_one_line(first_run, tmp_path):
+    out, args, _ = first_run
+    only = [a for a in args if a not in ("ngram", "draft")]  # --methods medusa1
+    with pytest.raises(SystemExit, match="not a trained method"):
+        bench().main([*only, "--run", "ngram=x", "--out", str(tmp_path / "a.json")])
+    board = bench().main([*only, "--run", f"medusa1={tmp_path}", "--out", str(tmp_path / "b.json")])
+    assert board["methods"]["medusa1"]["status"] == f"failed: --run medusa1={tmp_path}: no drafter there " \
+                                                    "(no drafter.json, best/ or checkpoint)"

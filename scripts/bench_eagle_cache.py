@@ -4,9 +4,11 @@
 
 On the reference target with recipes/eagle3/tiny-code.yaml (packed rows of 256 tokens, batch 8): writes
 the bf16 cache with scripts/cache_hidden_states.py, then trains the same number of steps (whole epochs)
-online and offline from the same seed, and reports tokens/s and seconds per epoch from the loop's own
-train_seconds (data loading and cache reads included, evaluation excluded) and process CPU time, and how
-far the bf16 cache moves the losses. Writes `benchmarks/eagle_cache.json`.
+online and offline from the same seed, and reports tokens/s and seconds per epoch two ways: wall time
+(the loop's train_seconds: data loading and cache reads included, evaluation excluded) and CPU time per
+step, (CPU of an S-step run - CPU of a 1-step run) / (S - 1), which setup and evaluation cancel out of
+and which other jobs on a shared machine barely move. Also how far the bf16 cache moves the losses.
+Writes `benchmarks/eagle_cache.json`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from draftsmith.train import eagle3
 
@@ -28,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def train(overrides: list[str], out: Path) -> dict:
+    """One train/eagle3.py run in-process -> steps, wall train_seconds, process CPU seconds, per-step losses."""
     cpu = time.process_time()
     loop = eagle3.main([*overrides, f"loop.output_dir={out}"])
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
@@ -47,46 +52,52 @@ def main(argv: list[str] | None = None) -> dict:
     shutil.rmtree(work, ignore_errors=True)
 
     data = [f"data.limit={args.limit}"]
-    t = time.perf_counter()
+    t, child_cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run([sys.executable, str(REPO / "scripts/cache_hidden_states.py"), "--config",
                     str(REPO / "recipes/eagle3/tiny-code.yaml"), *data, "--out", str(work / "cache")], check=True)
-    write_seconds = time.perf_counter() - t
+    write_seconds, usage = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
+    write_cpu = usage.ru_utime + usage.ru_stime - child_cpu.ru_utime - child_cpu.ru_stime
     manifest = json.loads((work / "cache/manifest.json").read_text())
     disk = sum(p.stat().st_size for p in (work / "cache").iterdir())
     rows, tokens = manifest["rows"], manifest["tokens"]
     batch = 8  # the recipe's loop.batch_size
-    steps = args.epochs * (rows // batch)
-    common = [*data, f"loop.max_steps={steps}", f"loop.save_every={steps}", f"loop.log_every={max(1, steps // 20)}",
-              "loop.best_metric=", "eval.num_prompts=0", "eval.heldout_examples=8"]
-    online = train(common, work / "online")
-    offline = train([*common, f"offline.path={work / 'cache'}"], work / "offline")
+    per_epoch = rows // batch
+    steps = args.epochs * per_epoch
+    common = [*data, "loop.best_metric=", "eval.num_prompts=0", "eval.heldout_examples=8"]
+    offline = [f"offline.path={work / 'cache'}"]
+    runs = {}
+    for mode, extra in [("online", []), ("offline", offline)]:
+        one = train([*common, *extra, "loop.max_steps=1"], work / f"{mode}-1")
+        full = train([*common, *extra, f"loop.max_steps={steps}", f"loop.save_every={steps}",
+                      f"loop.log_every={max(1, steps // 20)}"], work / mode)
+        runs[mode] = {**full, "cpu_per_step": (full["cpu_seconds"] - one["cpu_seconds"]) / (steps - 1)}
 
     def throughput(run: dict) -> dict:
-        s = run["train_seconds"]
-        return {"train_seconds": round(s, 2), "tokens_per_s": round(run["steps"] * batch * tokens / rows / s, 1),
-                "seconds_per_epoch": round(s / run["steps"] * (rows // batch), 2),
-                "process_cpu_seconds": round(run["cpu_seconds"], 2)}
+        wall, cpu = run["train_seconds"] / run["steps"], run["cpu_per_step"]
+        step_tokens = batch * tokens / rows
+        return {"wall_seconds_per_epoch": round(wall * per_epoch, 2), "wall_tokens_per_s": round(step_tokens / wall, 1),
+                "cpu_seconds_per_epoch": round(cpu * per_epoch, 2), "cpu_tokens_per_s": round(step_tokens / cpu, 1)}
 
+    on, off = runs["online"], runs["offline"]
     result = {
-        "command": "python scripts/bench_eagle_cache.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python", "scripts/bench_eagle_cache.py", *(sys.argv[1:] if argv is None else argv)]),
         "recipe": "recipes/eagle3/tiny-code.yaml", "target": manifest["target"],
-        "host": f"CPU, {torch.get_num_threads()} torch threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}),"
-                " shared with other jobs: compare the two runs, not absolute figures",
+        "eagle": yaml.safe_load((work / "online/config.yaml").read_text())["eagle"],
+        "host": f"CPU, {torch.get_num_threads()} torch thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+                f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end (shared with other jobs: "
+                "wall figures are contended, CPU figures much less)",
         "cache": {"rows": rows, "tokens": tokens, "layers": manifest["layers"], "dtype": manifest["dtype"],
                   "hidden_size": manifest["hidden_size"], "shards": len(manifest["shards"]),
                   "bytes_per_token_estimate": manifest["bytes_per_token"],
                   "bytes_per_token_on_disk": round(disk / tokens, 1), "disk_bytes": disk,
-                  "write_seconds": round(write_seconds, 2),
-                  "write_seconds_note": "the whole cache_hidden_states.py process: target load, data, forwards, writes"},
-        "steps": steps, "batch_size": batch,
-        "online": throughput(online), "offline": throughput(offline),
-        "offline_speedup": round(online["train_seconds"] / offline["train_seconds"], 3),
-        "offline_speedup_cpu": round(online["cpu_seconds"] / offline["cpu_seconds"], 3),
-        "cpu_note": "process CPU time of the whole run (setup and the final held-out evaluation included, alike in "
-                    "both); less sensitive than wall time to the other jobs on this machine",
-        "bf16_cache_loss_max_abs_diff": max(abs(a - b) for a, b in zip(online["losses"], offline["losses"],
-                                                                         strict=True)),
-        "final_loss": {"online": online["losses"][-1], "offline": offline["losses"][-1]},
+                  "write_wall_seconds": round(write_seconds, 2), "write_cpu_seconds": round(write_cpu, 2),
+                  "write_note": "the whole cache_hidden_states.py process: start, target load, data, forwards, writes"},
+        "steps": steps, "steps_per_epoch": per_epoch, "batch_size": batch,
+        "online": throughput(on), "offline": throughput(off),
+        "offline_speedup_wall": round(on["train_seconds"] / off["train_seconds"], 3),
+        "offline_speedup_cpu": round(on["cpu_per_step"] / off["cpu_per_step"], 3),
+        "bf16_cache_loss_max_abs_diff": round(max(abs(a - b) for a, b in zip(on["losses"], off["losses"], strict=True)), 6),
+        "final_loss": {"online": on["losses"][-1], "offline": off["losses"][-1]},
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

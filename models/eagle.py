@@ -90,6 +90,11 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted(ids | set(fill[: max(0, 3 - len(ids))]))
 
 
+def aux_layers(cfg: EagleConfig, num_layers: int) -> list[int]:
+    """The hidden_states indices EAGLE-3 fuses (the recipe's, else the default); none for EAGLE-1."""
+    return (list(cfg.aux_layers) or default_aux_layers(num_layers)) if cfg.version == 3 else []
+
+
 def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
     """A one-layer Llama config with the target's width, heads and rope (what the engines instantiate)."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -212,15 +217,13 @@ class Eagle(nn.Module):
         self.target, self.cfg = target, cfg
         L = target.config.get_text_config().num_hidden_layers
         V = target.config.get_text_config().vocab_size
-        if cfg.version == 3:
-            self.layers = list(cfg.aux_layers) or default_aux_layers(L)
+        self.layers = aux_layers(cfg, L)
+        if self.layers:
             bad = [i for i in self.layers if not 0 <= i <= L]
             if bad:
                 raise ConfigError(f"eagle.aux_layers: {bad} out of range for a {L}-layer target; use 0..{L}")
             if len(set(self.layers)) != len(self.layers):
                 raise ConfigError(f"eagle.aux_layers: {self.layers} repeats a layer; list distinct layers")
-        else:
-            self.layers = []
         draft_ids = torch.arange(V) if draft_ids is None or cfg.version == 1 else draft_ids
         config = draft_config(target.config, cfg, draft_ids.numel())
         self.drafter = EagleDrafter(config, cfg.version, draft_ids, max(1, len(self.layers))).to(target.lm_head.weight)

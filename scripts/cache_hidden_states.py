@@ -18,17 +18,12 @@ import torch
 
 from draftsmith.data.dataset import build_dataset, cache_key
 from draftsmith.data.hidden_cache import CacheError, write_cache
-from draftsmith.models.eagle import EagleConfig, default_aux_layers
+from draftsmith.models.eagle import aux_layers
 from draftsmith.models.target import load_target
 from draftsmith.train import config as C
 from draftsmith.train.eagle import Recipe
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def method_layers(cfg: EagleConfig, num_layers: int) -> list[int]:
-    """The hidden_states indices `Eagle` reads as aux features: EAGLE-3's fused layers, none for EAGLE-1."""
-    return (list(cfg.aux_layers) or default_aux_layers(num_layers)) if cfg.version == 3 else []
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
     target.model.to(args.device)
-    layers = method_layers(cfg.eagle, target.config.get_text_config().num_hidden_layers)
+    layers = aux_layers(cfg.eagle, target.config.get_text_config().num_hidden_layers)
     rows = build_dataset(cfg.data, target.tokenizer)
     print(f"EAGLE-{cfg.eagle.version}: caching {len(rows)} rows, layers {layers or 'final only'}, {args.dtype}")
     command = " ".join(["python", "scripts/cache_hidden_states.py", *(sys.argv[1:] if argv is None else argv)])

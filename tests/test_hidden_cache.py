@@ -183,3 +183,10 @@ def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, 
     assert len(online) == 5 and len(set(online)) == 5
     torch.testing.assert_close(offline, online, rtol=0, atol=2e-6)
     torch.testing.assert_close(w_offline, w_online, rtol=1e-5, atol=1e-6)
+    if recipe.startswith("eagle3"):  # the same cache with other layers, or for other data, is refused at start
+        with pytest.raises(CacheError, match="holds layers"):
+            train(*config, *common, "eagle.aux_layers=[0,1,2]", f"offline.path={tmp_path / 'cache'}",
+                  f"loop.output_dir={tmp_path / 'other-layers'}")
+        with pytest.raises(ValueError, match="other data"):
+            train(*config, *common, "data.limit=30", f"offline.path={tmp_path / 'cache'}",
+                  f"loop.output_dir={tmp_path / 'other-data'}")

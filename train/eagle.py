@@ -20,11 +20,11 @@ from typing import Literal
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
+from draftsmith.data.dataset import DataConfig, build_dataset, cache_key, heldout_rows
 from draftsmith.data.hidden_cache import HiddenCache, collate_features
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator
-from draftsmith.models.eagle import Eagle, EagleConfig, draft_vocab
+from draftsmith.models.eagle import Eagle, EagleConfig, aux_layers, draft_vocab
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
 from draftsmith.train.loop import Loop, collate
@@ -89,13 +89,24 @@ def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int
     return {**{f"heldout_{k}": v for k, v in sums.items()}, "expected_tau": tau}
 
 
+def offline_rows(cfg: Recipe, target) -> HiddenCache:
+    """The hidden-state cache at offline.path, refused unless it holds this target's features of this recipe's
+    layers for this recipe's data."""
+    cache = HiddenCache(cfg.offline.path, target, aux_layers(cfg.eagle, target.config.get_text_config().num_hidden_layers))
+    written = cache.manifest["meta"].get("data_key")
+    if written != cache_key(cfg.data, target.tokenizer):
+        raise ValueError(f"offline.path={cfg.offline.path} was written from other data than this recipe's `data` "
+                         "section; rewrite it with scripts/cache_hidden_states.py and this recipe")
+    return cache
+
+
 def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/eagle/tiny-code.yaml",
          doc: str = __doc__) -> Loop:
     cfg = C.from_command_line(Recipe, default_recipe, argv, doc)
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    train = HiddenCache(cfg.offline.path, target) if cfg.offline.path else build_dataset(cfg.data, target.tokenizer)
+    train = offline_rows(cfg, target) if cfg.offline.path else build_dataset(cfg.data, target.tokenizer)
     heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples)
     draft_ids = draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
         if cfg.eagle.version == 3 else None

@@ -36,13 +36,19 @@ TINY = ["data.limit=48", "data.max_length=256", "data.overlong=truncate", "data.
 RECIPES = {
     "medusa1": ("train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml",
                 [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
+    "eagle3": ("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", TINY),
+}
+REFUSED = {  # combinations that must stop at start: name -> (entry, recipe, overrides, launcher config, message)
+    "layerskip-lora-zero3": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
+                             [*TINY, "layerskip.lora=true", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"],
+                             "recipes/accelerate/zero3.yaml", "layerskip.lora=true evaluates a merged copy"),
 }
 
 
 def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
            check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch` an entry script on `processes` CPU processes (gloo) for a tiny run."""
-    entry, yaml, overrides = RECIPES[recipe]
+    entry, yaml, overrides = RECIPES[recipe] if recipe in RECIPES else REFUSED[recipe][:3]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -83,18 +89,25 @@ def resume_from(src: Path, step: int, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="module", params=list(RECIPES))
-def pair(request, tiny_chat_target, tmp_path_factory) -> tuple[str, Path, Path]:
-    """(recipe, 1-process run with batch 2 x grad_accum 2, 2-process run with batch 2): 4 steps, checkpoints at 2, 4."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    one, two = tmp / "one", tmp / "two"
-    launch(request.param, tiny_chat_target, one, 1, "loop.batch_size=2", "loop.grad_accum=2")
-    launch(request.param, tiny_chat_target, two, 2, "loop.batch_size=2", "loop.grad_accum=1")
-    return request.param, one, two
+@pytest.fixture(scope="module")
+def pairs(tiny_chat_target, tmp_path_factory):
+    """recipe -> (1-process run with batch 2 x grad_accum 2, 2-process run with batch 2): 4 steps, checkpoints
+    at 2 and 4, each pair launched once per module."""
+    done: dict[str, tuple[Path, Path]] = {}
+
+    def get(recipe: str) -> tuple[Path, Path]:
+        if recipe not in done:
+            tmp = tmp_path_factory.mktemp(recipe)
+            launch(recipe, tiny_chat_target, tmp / "one", 1, "loop.batch_size=2", "loop.grad_accum=2")
+            launch(recipe, tiny_chat_target, tmp / "two", 2, "loop.batch_size=2", "loop.grad_accum=1")
+            done[recipe] = tmp / "one", tmp / "two"
+        return done[recipe]
+    return get
 
 
-def test_two_processes_match_one_process_with_the_same_global_batch(pair):
-    _, one, two = pair
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_two_processes_match_one_process_with_the_same_global_batch(recipe, pairs):
+    one, two = pairs(recipe)
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     assert a[4] < a[1], "the tiny run must actually train"
@@ -103,8 +116,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(pair):
     assert_close(weights(one, 4), weights(two, 4))
 
 
-def test_evaluation_at_checkpoints_under_two_processes_finishes_once(pair):
-    _, _, two = pair
+def test_evaluation_at_checkpoints_under_two_processes_finishes_once(pairs):
+    _, two = pairs("medusa1")
     rows = evals(two)
     assert sorted(rows) == [2, 4], "one evaluation row per checkpoint (rank 0 logs it, the other rank waits)"
     assert all(r["eval/tau"] >= 1.0 and r["eval/eval_seconds"] > 0 for r in rows.values())
@@ -113,21 +126,21 @@ def test_evaluation_at_checkpoints_under_two_processes_finishes_once(pair):
     assert state["world_size"] == 2 and state["train_seconds"] > 0
 
 
-def test_resume_under_two_processes_is_exact(pair, tiny_chat_target, tmp_path):
-    recipe, _, two = pair
+def test_resume_under_two_processes_is_exact(pairs, tiny_chat_target, tmp_path):
+    _, two = pairs("medusa1")
     resumed = resume_from(two, 2, tmp_path / "resumed")
-    launch(recipe, tiny_chat_target, resumed, 2, "loop.batch_size=2", "loop.grad_accum=1")
+    launch("medusa1", tiny_chat_target, resumed, 2, "loop.batch_size=2", "loop.grad_accum=1")
     assert sorted(losses(resumed)) == [3, 4]
     for step, loss in losses(resumed).items():
         assert loss == losses(two)[step]
     assert_close(weights(resumed, 4), weights(two, 4), atol=0)
 
 
-def test_resume_with_another_world_size(pair, tiny_chat_target, tmp_path):
+def test_resume_with_another_world_size(pairs, tiny_chat_target, tmp_path):
     """A DDP checkpoint holds the whole optimizer state: 2 processes write it, 1 process (same global batch) resumes."""
-    recipe, _, two = pair
+    _, two = pairs("medusa1")
     resumed = resume_from(two, 2, tmp_path / "resumed")
-    done = launch(recipe, tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2")
+    done = launch("medusa1", tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2")
     assert "2 processes wrote it, 1 resume it" in done.stdout
     for step, loss in losses(resumed).items():
         assert loss == pytest.approx(losses(two)[step], rel=LOSS_RTOL)
@@ -162,12 +175,12 @@ def test_launcher_configs_load_through_accelerate(name):
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_on_one_cpu_process_matches_plain_training(stage, pair, tiny_chat_target, tmp_path):
+def test_deepspeed_on_one_cpu_process_matches_plain_training(stage, pairs, tiny_chat_target, tmp_path):
     """DeepSpeed (one process: all the CPU allows) trains exactly like the plain loop, evaluates at checkpoints
     (ZeRO-3: in lockstep through its parameter gathering) and writes no frozen weight in its shards."""
-    recipe, one, _ = pair
+    one, _ = pairs("medusa1")
     run = tmp_path / stage
-    launch(recipe, tiny_chat_target, run, 1, "loop.batch_size=2", "loop.grad_accum=2",
+    launch("medusa1", tiny_chat_target, run, 1, "loop.batch_size=2", "loop.grad_accum=2",
            config_file=f"recipes/accelerate/{stage}.yaml")
     for step, loss in losses(one).items():
         assert losses(run)[step] == pytest.approx(loss, rel=LOSS_RTOL), step
@@ -177,7 +190,7 @@ def test_deepspeed_on_one_cpu_process_matches_plain_training(stage, pair, tiny_c
         assert set(torch.load(states, weights_only=False)["module"]) == set(weights(run, 4)), "only the trainable part"
     if stage == "zero3":
         resumed = resume_from(run, 2, tmp_path / "resumed")
-        launch(recipe, tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2",
+        launch("medusa1", tiny_chat_target, resumed, 1, "loop.batch_size=2", "loop.grad_accum=2",
                config_file=f"recipes/accelerate/{stage}.yaml")
         assert losses(resumed) == {s: v for s, v in losses(run).items() if s > 2}
         assert_close(weights(resumed, 4), weights(run, 4), atol=0)
@@ -189,3 +202,11 @@ def test_deepspeed_with_two_cpu_processes_is_refused(tiny_chat_target, tmp_path)
                   check=False)
     assert done.returncode != 0
     assert "2 processes were launched but accelerate sees 1" in done.stderr
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_combination_is_refused_at_start(name, tiny_chat_target, tmp_path):
+    *_, config_file, message = REFUSED[name]
+    done = launch(name, tiny_chat_target, tmp_path / "run", 1, config_file=config_file, check=False)
+    assert done.returncode != 0 and message in done.stderr
+    assert not list((tmp_path / "run").glob("checkpoint-*")), "refused before training"

@@ -196,6 +196,20 @@ def test_deepspeed_on_one_cpu_process_matches_plain_training(stage, pairs, tiny_
         assert_close(weights(resumed, 4), weights(run, 4), atol=0)
 
 
+def test_deepspeed_checkpoint_refuses_another_world_size(tiny_chat_target, tmp_path):
+    """ZeRO optimizer state is sharded by world size: a checkpoint says which world size wrote it and only that one
+    resumes it (here the 1-process checkpoint is relabelled as written by 2, since CPU runs DeepSpeed on one)."""
+    run = tmp_path / "run"
+    launch("medusa1", tiny_chat_target, run, 1, "loop.batch_size=2", "loop.max_steps=2",
+           config_file="recipes/accelerate/zero2.yaml")
+    state = run / "checkpoint-2" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    done = launch("medusa1", tiny_chat_target, run, 1, "loop.batch_size=2", "loop.max_steps=4",
+                  config_file="recipes/accelerate/zero2.yaml", check=False)
+    assert done.returncode != 0
+    assert "holds DeepSpeed ZeRO shards of 2 processes, not 1; resume with 2 processes" in done.stderr
+
+
 def test_deepspeed_with_two_cpu_processes_is_refused(tiny_chat_target, tmp_path):
     """On CPU accelerate sees one process while DeepSpeed joins two: the loop refuses rather than train twice."""
     done = launch("medusa1", tiny_chat_target, tmp_path / "run", 2, config_file="recipes/accelerate/zero2.yaml",

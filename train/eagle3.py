@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith.train.eagle import Recipe
 from draftsmith.train.eagle import main as eagle_main
+
+__all__ = ["Recipe", "main"]  # the EAGLE recipe schema, shared with train/eagle.py
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -116,16 +116,20 @@ class DraftModel(Proposer):
         feed = ids[common:]  # [>= 1] committed tokens not yet in the draft cache
         tokens, qs = [], []
         for _ in range(self.gamma):
-            logits = self._logits(feed)  # [V]
-            if sampling.greedy:
-                x = int(logits.argmax())
-            else:
-                qs.append(warp(logits, sampling))  # [V]
-                x = sample(qs[-1], sampling.generator)
+            x = draw(self._logits(feed), sampling, qs)
             tokens.append(x)
             feed = torch.tensor([x], device=ids.device)
         self.cached = torch.cat([ids.cpu(), torch.tensor(tokens[:-1], dtype=torch.long)])
         return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def draw(logits: torch.Tensor, sampling: Sampling, qs: list[torch.Tensor]) -> int:
+    """The next drafted token from logits [V]: the argmax when greedy, else a sample from the warped q, which
+    is appended to `qs` (the per-node q the exact verifier needs)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    qs.append(warp(logits, sampling))  # [V]
+    return sample(qs[-1], sampling.generator)
 
 
 def truncated_copy(target, layers: int) -> torch.nn.Module:

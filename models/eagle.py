@@ -44,9 +44,9 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.proposers import Proposer, Verified
+from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
-from draftsmith.decoding.verify import Sampling, sample, warp
+from draftsmith.decoding.verify import Sampling
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 
@@ -420,11 +420,7 @@ class EagleProposer(Proposer):
         for i in range(self.gamma):
             logits = torch.full((V,), float("-inf"), device=ids.device)
             logits[d.draft_ids] = self._draft_logits(h)  # [V]
-            if sampling.greedy:
-                x = int(logits.argmax())
-            else:
-                qs.append(warp(logits, sampling))  # [V]
-                x = sample(qs[-1], sampling.generator)
+            x = draw(logits, sampling, qs)
             tokens.append(x)
             if i + 1 < self.gamma:
                 visible = torch.ones(1, self.n + i + 1, dtype=torch.bool, device=ids.device)

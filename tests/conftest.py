@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny chat target saved like any Hugging Face model."""
+"""Shared fixtures and helpers: a tiny chat target saved like any Hugging Face model; entry scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def script(rel: str):
+    """Import an entry script (train/*.py, scripts/*.py, run by path) as a module: `from conftest import script`."""
+    name = f"_script_{Path(rel).stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / rel)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,13 @@ lossless decoding (chain and EAGLE-2 tree), checkpoints and the recipe entry poi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -270,14 +269,6 @@ def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version):
 REPO = Path(__file__).resolve().parent.parent
 
 
-def script(rel: str):
-    """Import an entry script (train/*.py is not a package) as a module."""
-    name = f"_script_{Path(rel).stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def run_recipe(entry: str, recipe: str, target: Path, out: Path, *extra: str):

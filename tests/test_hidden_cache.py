@@ -3,14 +3,13 @@ fit, it survives interruption, and training from it gives the losses online trai
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 from transformers import LlamaForCausalLM
 
 from draftsmith.data import hidden_cache as hc
@@ -23,14 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = [1, 2, 4]
 
 
-def script(rel: str):
-    """Import an entry script (train/*.py, scripts/*.py are not packages) as a module."""
-    name = f"_script_{Path(rel).stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 from transformers import (
     GemmaConfig,
     GemmaForCausalLM,
@@ -51,14 +50,6 @@ from draftsmith.train import config as C
 REPO = Path(__file__).resolve().parent.parent
 
 
-def script(rel: str):
-    """Import an entry script (train/*.py, scripts/*.py are not packages) as a module."""
-    name = f"_script_{Path(rel).stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def tiny_llama(vocab: int = 96, seed: int = 0) -> LlamaForCausalLM:

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from conftest import script
 
 from draftsmith.decoding.metrics import DecodeStats
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def bench():
-    if "_script_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_script_bench", REPO / "scripts/bench.py")
-        sys.modules["_script_bench"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["_script_bench"])
-    return sys.modules["_script_bench"]
+    return script("scripts/bench.py")
 
 
 def test_predicted_speedup_matches_hand_values():

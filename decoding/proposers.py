@@ -25,7 +25,9 @@ How the trained drafters use it: Medusa takes hidden[-1, -1] (last hidden state,
 norm, at the last accepted position) and proposes its static tree below the bonus token. EAGLE-1/3
 take the features of all m newly committed positions (one layer or several concatenated) to extend
 their own KV cache, then draft a chain or (EAGLE-2) a dynamic tree. Early exit (LayerSkip) drafts
-with the target's first E layers and may keep their cache itself.
+with the target's first E layers straight into the target's own KV cache and, through the optional
+`target_forward(cache)` hook (see decoding/generate.py), verifies with only layers [E:] for the
+tokens it already ran (the exit-query cache).
 """
 
 from __future__ import annotations

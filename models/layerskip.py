@@ -31,9 +31,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import attention_masks
-from draftsmith.decoding.proposers import DraftModel, Proposer, truncated_copy
+from draftsmith.decoding.proposers import DraftModel, Proposer, draw, truncated_copy
 from draftsmith.decoding.tree import DraftTree, position_ids
-from draftsmith.decoding.verify import Sampling, sample, warp
+from draftsmith.decoding.verify import Sampling
 from draftsmith.models.lm import masked_ce
 from draftsmith.train.config import ConfigError
 
@@ -298,12 +298,7 @@ class EarlyExit(Proposer):
         feed, tokens, qs, hidden = ids[-1:], [], [], []
         for _ in range(self.gamma):
             hidden.append(self.split.run(self.split.embed(feed), range(self.exit_layer), self.cache))  # [1, 1, H]
-            logits = self._logits(hidden[-1][0, -1])  # [V]
-            if sampling.greedy:
-                x = int(logits.argmax())
-            else:
-                qs.append(warp(logits, sampling))  # [V]
-                x = sample(qs[-1], sampling.generator)
+            x = draw(self._logits(hidden[-1][0, -1]), sampling, qs)
             tokens.append(x)
             feed = torch.tensor([x], device=ids.device)
         self.fed, self.exit_hidden = [int(ids[-1])] + tokens[:-1], torch.cat(hidden, 1)  # [1, gamma, H]

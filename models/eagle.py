@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import (
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
-from draftsmith.decoding.verify import Sampling
+from draftsmith.decoding.verify import Sampling, sample, warp
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 
@@ -428,26 +428,51 @@ class EagleProposer(Proposer):
                 h = self._step(torch.tensor([x], device=ids.device), h[None], pos, visible)[0]
         return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
 
+    def _children(self, h: torch.Tensor, sampling: Sampling) -> list[list[tuple[int, float, torch.Tensor | None]]]:
+        """Up to top_k children per row of outputs h [F, H]: (target token, log q, q drawn from).
+
+        Greedy: the top_k draft tokens, deterministic (q None). Sampling: top_k draws without replacement
+        from the warped draft distribution, each recording the renormalised q it was drawn from, so that
+        the exact multi-round verifier (which tests siblings in this order) stays exact.
+        """
+        d, V = self.drafter, self.drafter.t2d.numel()
+        logits = self._draft_logits(h)  # [F, Vd]
+        if sampling.greedy:
+            top = F.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), -1)
+            return [[(int(d.draft_ids[i]), lp, None) for lp, i in zip(v.tolist(), x.tolist(), strict=True)]
+                    for v, x in zip(top.values, top.indices, strict=True)]
+        full = logits.new_full((logits.shape[0], V), float("-inf"))
+        full[:, d.draft_ids] = logits
+        out = []
+        for q in warp(full, sampling):  # [V] per row
+            row, left = [], q.clone()
+            while len(row) < self.top_k and left.sum() > 0:
+                q_node = left / left.sum()  # [V]
+                x = sample(q_node, sampling.generator)
+                row.append((x, float(q[x].log()), q_node))
+                left[x] = 0
+            out.append(row)
+        return out
+
     def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        d, dev, K = self.drafter, ids.device, self.top_k
-        scale = 1.0 if sampling.greedy else 1.0 / sampling.temperature
-        tokens, parents, scores, depth = [], [], [], []  # per node
+        """EAGLE-2: expand the top_k best frontier nodes per round; keep the best total_tokens nodes, closed
+        under ancestors and earlier-drawn siblings (what the exact verifier needs), ordered by depth."""
+        dev, K = ids.device, self.top_k
+        tokens, parents, scores, depth, qs = [], [], [], [], []  # per node
         out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
         slot: dict[int, int] = {}  # node -> its entry in the drafter cache
 
         def expand(h: torch.Tensor, froms: list[int]) -> list[int]:
             """Children of `froms` (outputs h [F, H]) -> indices of the new candidate nodes."""
-            logp = F.log_softmax(self._draft_logits(h) * scale, -1)  # [F, Vd]
-            top = logp.topk(min(K, logp.shape[-1]), -1)
             new = []
-            for r, parent in enumerate(froms):
-                base = scores[parent] if parent >= 0 else 0.0
-                for lp, i in zip(top.values[r].tolist(), top.indices[r].tolist(), strict=True):
+            for parent, children in zip(froms, self._children(h, sampling), strict=True):
+                for x, lq, q in children:
                     new.append(len(tokens))
-                    tokens.append(int(d.draft_ids[i]))
+                    tokens.append(x)
                     parents.append(parent)
-                    scores.append(base + lp)
+                    scores.append(lq + (scores[parent] if parent >= 0 else 0.0))
                     depth.append(1 + (depth[parent] if parent >= 0 else 0))
+                    qs.append(q)
             return new
 
         frontier = expand(self.last[None], [-1])
@@ -469,8 +494,22 @@ class EagleProposer(Proposer):
             for r, i in enumerate(frontier):
                 out_of[i] = outs[r]
             frontier = expand(outs, frontier)
-        keep = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))[: self.total_tokens]
+        kids: dict[int, list[int]] = {}  # parent -> children in draw order
+        for i, a in enumerate(parents):
+            kids.setdefault(a, []).append(i)
+        keep: set[int] = set()
+        for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i])):
+            if len(keep) == self.total_tokens:
+                break
+            need, a = set(), i
+            while a >= 0:  # the node, its ancestors, and every sibling drawn before each of them
+                siblings = kids[parents[a]]
+                need.update(siblings[: siblings.index(a) + 1])
+                a = parents[a]
+            if len(keep | need) <= self.total_tokens:
+                keep |= need
         keep = sorted(keep, key=lambda i: (depth[i], i))
         index = {old: new for new, old in enumerate(keep)}
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev))
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
+                         None if sampling.greedy else torch.stack([qs[i] for i in keep]))

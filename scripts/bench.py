@@ -394,7 +394,11 @@ def markdown(board: dict) -> str:
 
 def plots(board: dict, out: Path) -> list[Path]:
     """tau by method, acceptance by draft position, tau against training step: PNGs named after `out`."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("scripts/bench.py draws its plots with matplotlib: pip install -e '.[plot]' (the JSON and table "
+                 "are written)")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

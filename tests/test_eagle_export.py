@@ -3,13 +3,12 @@ them, the config keys and tensors each engine requires, atomic no-clobber writes
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import script
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,15 +24,6 @@ V, L, H = 96, 6, 32
 THETA = 500000.0  # not the default, so a lost rope_theta changes the outputs
 EAGLE3 = ["sglang", "vllm", "speculators"]
 DRAFT_IDS = torch.arange(0, V, 2)
-
-
-def export_script():
-    name = "_script_export"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "scripts/export.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +87,7 @@ def proposals(drafter: EagleDrafter, layers: list[int], target: Target, mode: st
 @pytest.mark.parametrize("fmt,version", [("sglang", 3), ("vllm", 3), ("speculators", 3), ("vllm", 1)])
 def test_round_trip_gives_identical_tensors_drafts_and_decoding(fmt, version, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", version, aux_layers=(1, 3, 4))
-    out = export_script().main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
+    out = script("scripts/export.py").main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
     original, meta = load_drafter(src)
     loaded, back = E.load("eagle", fmt, out)
     a, b = original.state_dict(), loaded.state_dict()
@@ -382,7 +372,7 @@ def test_an_unreadable_target_is_a_clear_error(target, tmp_path):
 def test_script_export_is_atomic_and_never_overwrites_silently(target, tmp_path, capsys):
     run = tmp_path / "run"
     drafter_dir(target, run / "best")
-    out, main = tmp_path / "out", export_script().main
+    out, main = tmp_path / "out", script("scripts/export.py").main
     main([str(run), "--format", "sglang", "--out", str(out)])
     assert "(eagle) as sglang" in capsys.readouterr().out
     before = (out / "model.safetensors").read_bytes()

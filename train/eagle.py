@@ -76,17 +76,12 @@ def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int
     steps (the chain length, also beyond the steps trained), and `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
     the chain's tau they predict."""
     device = method.drafter.fc.weight.device
-    sums: dict[str, float] = {}
-    for i in range(0, len(rows), batch_size):
-        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
-        _, metrics = method.ttt(batch, steps)
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v / -(-len(rows) // batch_size)
-    prod, tau = 1.0, 1.0
-    for k in range(steps):
-        prod *= sums[f"cond_acc_{k}"]
-        tau += prod
-    return {**{f"heldout_{k}": v for k, v in sums.items()}, "expected_tau": tau}
+    per_batch = [method.ttt({k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}, steps)[1]
+                 for i in range(0, len(rows), batch_size)]
+    means = {k: sum(m[k] for m in per_batch) / len(per_batch) for k in per_batch[0]}
+    cond = torch.tensor([means[f"cond_acc_{k}"] for k in range(steps)])  # [steps]
+    tau = 1 + float(cond.cumprod(0).sum())
+    return {**{f"heldout_{k}": v for k, v in means.items()}, "expected_tau": tau}
 
 
 def offline_rows(cfg: Recipe, target) -> HiddenCache:

@@ -144,12 +144,39 @@ def test_loss_mask_selects_the_predicted_tokens():
 
 
 def test_conditional_acceptance_conditions_on_accepted_greedy_prefixes():
+    """Draft logits forced right or wrong at known positions: acc_k counts every valid position, cond_acc_1 only
+    those where step 0 was right and the data token fed to step 1 is the target's greedy token."""
     m = method(3, ttt_steps=2)
-    bt = batch(b=2, s=16, seed=3)
+    s = 16
+    prompts = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([plain_generate(m.target.model, p[None], s - 4, eos_token_id=[])[0] for p in prompts])  # [2, s]
+    ids[0, 11] = (ids[0, 11] + 1) % V  # one fed token that is not the target's greedy choice
+    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(s).expand(2, s)}
+    with torch.no_grad():
+        greedy = m.target.logits(m.features(bt)[0]).argmax(-1)  # [b, s] the target's next token at each position
+    g = torch.Generator().manual_seed(2)
+    right = [torch.rand(2, s, generator=g) < 0.6 for _ in range(2)]  # step k drafts correctly where right[k]
+    calls = []
+
+    def forced(out, head):  # step k at query t is judged against the target's greedy token at t + 1 + k
+        k = len(calls)
+        calls.append(k)
+        want = torch.cat([greedy[:, 1 + k:], greedy.new_zeros(2, 1 + k)], 1)  # [b, s]
+        token = torch.where(right[k], want, (want + 1) % V)
+        return torch.nn.functional.one_hot(token, V).float() * 10  # [b, s, V]
+
+    m.drafter.logits = forced
     _, metrics = m.ttt(bt)
+    t = torch.arange(s)
+    for k in range(2):
+        valid = (t + k + 2 < s).expand(2, s)  # the label token x_{t+k+2} exists
+        assert metrics[f"acc_{k}"] == pytest.approx(right[k][valid].float().mean().item(), abs=1e-6)
+    fed = torch.zeros(2, s, dtype=torch.bool)
+    fed[:, : s - 2] = ids[:, 2:] == greedy[:, 1:-1]  # step 1 reads x_{t+2}: the greedy token after t+1?
+    cond = (t + 3 < s).expand(2, s) & right[0] & fed
+    assert cond.sum() > 3
+    assert metrics["cond_acc_1"] == pytest.approx(right[1][cond].float().mean().item(), abs=1e-6)
     assert metrics["cond_acc_0"] == metrics["acc_0"]
-    # with the data replaced by the target's own greedy tokens, step 1 is conditioned on step 0 being right
-    assert 0 <= metrics["cond_acc_1"] <= 1
 
 
 def test_draft_vocab_is_the_most_frequent_masked_tokens_and_d2t_t2d_agree():

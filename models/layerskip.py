@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -66,9 +67,10 @@ class LayerSkipConfig:
 class Curriculum:
     """Which early layers carry the early-exit loss at each step; its state resumes exactly."""
 
-    def __init__(self, kind: str, num_layers: int, rotation: int = 2, total_steps: int = 1):
-        self.kind, self.L, self.R, self.total = kind, num_layers, rotation, max(1, total_steps)
-        self.step = 0
+    def __init__(self, kind: str, num_layers: int, rotation: int = 2):
+        self.kind, self.L, self.R = kind, num_layers, rotation
+        self.step = 0  # micro-batches seen
+        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; set by the entry script
 
     def enabled(self) -> list[int]:
         """Early layers (1-based, < L) whose exit is trained at the current step."""
@@ -76,7 +78,7 @@ class Curriculum:
         if self.kind == "rotational":
             return [l for l in early if (l + self.step) % self.R == 0]
         if self.kind == "gradual":
-            return [l for l in early if self.step / self.total >= 0.5 * (self.L - l) / self.L]
+            return [l for l in early if self.progress() >= 0.5 * (self.L - l) / self.L]
         return list(early)
 
     def advance(self) -> None:
@@ -138,7 +140,7 @@ class LayerDropout:
 class LayerSkip(nn.Module):
     """The training method: final loss + curriculum-gated, scaled early-exit losses."""
 
-    def __init__(self, model: nn.Module, tokenizer, cfg: LayerSkipConfig, total_steps: int):
+    def __init__(self, model: nn.Module, tokenizer, cfg: LayerSkipConfig):
         super().__init__()
         self.cfg, self.tokenizer = cfg, tokenizer
         if cfg.lora:
@@ -149,7 +151,7 @@ class LayerSkip(nn.Module):
         base = self.base
         self.L = base.config.num_hidden_layers
         self.norm, self.lm_head = final_norm(base), base.get_output_embeddings()
-        self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation, total_steps)
+        self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation)
         self.dropout = LayerDropout(base, cfg.dropout_max) if cfg.dropout_max > 0 else None
 
     @property

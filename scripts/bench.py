@@ -4,10 +4,12 @@
         [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--runs-dir runs/bench]
         [--override [METHOD:]KEY=VALUE ...] [--out benchmarks/leaderboard.json]
 
-For each method of METHODS: train it on the target with its default recipe for at most
-`--budget-minutes` of training time (`loop.max_minutes`; evaluations excluded; the recipe's
-max_steps and LR schedule are kept, so a fast recipe may finish earlier: the steps and seconds it
-used are reported) into `--runs-dir/<method>`, resuming a run there if one was cut short. With
+For each method of METHODS: train it on the target with its default recipe for
+`--budget-minutes` of training time (`loop.max_minutes`; evaluations excluded) into
+`--runs-dir/<method>`, resuming a run there if one was cut short. The time budget binds for every
+method (the recipe's max_steps is lifted), and the loop's schedules (LR warm-up and decay, Medusa-2's
+head warm-up, LayerSkip's gradual curriculum) run over that budget, so each method gets the same
+time and a complete schedule within it; the steps it made are reported. With
 `--reuse`, a run that already holds a drafter (in `--runs-dir/<method>`, else the recipe's own
 `loop.output_dir`; `--run METHOD=DIR` names one) is evaluated as it is, with the training time its
 checkpoint recorded.
@@ -205,11 +207,15 @@ def overrides_for(method: Method, overrides: list[str]) -> list[str]:
     return out
 
 
+UNBOUNDED_STEPS = 10**6  # lifts every recipe's step limit, so that the time budget alone ends training
+
+
 def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str]) -> float:
     """Train (or resume) `method` into `run` under the budget; returns the wall seconds, evaluations included."""
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(REPO / method.script), "--config", str(REPO / method.recipe), f"target.path={target}",
-           f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", *overrides_for(method, overrides)]
+           f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", f"loop.max_steps={UNBOUNDED_STEPS}",
+           *overrides_for(method, overrides)]
     print(f"[{method.key}] training: {' '.join(cmd[1:])} (log: {run / 'train.log'})", flush=True)
     start = time.perf_counter()
     with open(run / "train.log", "a") as log:

@@ -216,7 +216,7 @@ def test_export_is_a_plain_model_that_transformers_self_speculates_with(tmp_path
     with the recorded exit layer (EarlyExitCandidateGenerator runs), and the tokens equal plain greedy."""
     from transformers.generation.candidate_generator import EarlyExitCandidateGenerator
 
-    method = LayerSkip(llama(), None, LayerSkipConfig(dropout_max=0.0), 10)
+    method = LayerSkip(llama(), None, LayerSkipConfig(dropout_max=0.0))
     method.save_pretrained(tmp_path)
     record_exit_layer(tmp_path, {1: 1.4, 2: 1.9, 3: 1.7})
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -237,7 +237,7 @@ def test_export_is_a_plain_model_that_transformers_self_speculates_with(tmp_path
 def test_early_exit_loss_is_final_plus_scaled_exits():
     model = llama()
     cfg = LayerSkipConfig(scale="linear", curriculum="none", dropout_max=0.0, e_scale=0.5)
-    method = LayerSkip(model, None, cfg, total_steps=10).eval()
+    method = LayerSkip(model, None, cfg).eval()
     batch = {"input_ids": torch.randint(0, 64, (2, 8)), "loss_mask": torch.ones(2, 8, dtype=torch.long)}
     loss, metrics = method(batch)
     out = model(batch["input_ids"], output_hidden_states=True)
@@ -256,12 +256,12 @@ def test_curricula():
         seen.append(rot.enabled())
         rot.advance()
     assert seen == [[3, 6], [2, 5], [1, 4, 7]]
-    grad = Curriculum("gradual", num_layers=8, total_steps=100)
-    grad.step = 0
+    grad = Curriculum("gradual", num_layers=8)
+    grad.progress = lambda: 0.0
     assert grad.enabled() == []
-    grad.step = 25  # fraction 0.25 >= 0.5 * (8 - l) / 8  <=>  l >= 4
+    grad.progress = lambda: 0.25  # 0.25 >= 0.5 * (8 - l) / 8  <=>  l >= 4
     assert grad.enabled() == [4, 5, 6, 7]
-    grad.load_state_dict({"step": 100})
+    grad.progress = lambda: 1.0
     assert grad.enabled() == list(range(1, 8))
 
 
@@ -294,11 +294,11 @@ def test_curriculum_resumes_exactly_with_the_loop(tmp_path):
     rows = [{"input_ids": torch.randint(0, 64, (8,)).tolist(), "loss_mask": [1] * 8} for _ in range(12)]
     cfg = dict(output_dir=str(tmp_path), max_steps=4, batch_size=2, save_every=2, keep_last=3, lr=1e-3)
     ls_cfg = LayerSkipConfig(curriculum="rotational", rotation=3, dropout_max=0.1)
-    straight = LayerSkip(llama(), None, ls_cfg, 4)
+    straight = LayerSkip(llama(), None, ls_cfg)
     Loop(LoopConfig(**{**cfg, "output_dir": str(tmp_path / "a")}), straight, rows).run()
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")
-    resumed = LayerSkip(llama(seed=1), None, ls_cfg, 4)
+    resumed = LayerSkip(llama(seed=1), None, ls_cfg)
     Loop(LoopConfig(**{**cfg, "output_dir": str(tmp_path / "b")}), resumed, rows).run()
     assert resumed.curriculum.step == straight.curriculum.step == 4
     a = load_file(tmp_path / "a" / "checkpoint-4" / "trainable.safetensors")
@@ -308,7 +308,7 @@ def test_curriculum_resumes_exactly_with_the_loop(tmp_path):
 
 def test_lora_export_is_a_merged_plain_model(tmp_path):
     model = llama()
-    method = LayerSkip(model, None, LayerSkipConfig(lora=True, lora_r=4, dropout_max=0.0), 10)
+    method = LayerSkip(model, None, LayerSkipConfig(lora=True, lora_r=4, dropout_max=0.0))
     with torch.no_grad():
         for name, p in method.model.named_parameters():
             if "lora_B" in name:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.lm import CausalLM
 from draftsmith.train.config import LoopConfig
-from draftsmith.train.loop import EpochSampler, Loop, TrainingDiverged, checkpoints
+from draftsmith.train.loop import EpochSampler, Loop, TrainingDiverged, checkpoints, lr_factor, run_progress
 
 
 class Recorder:
@@ -172,3 +172,23 @@ def test_time_budget_stops_training_and_checkpoints(tmp_path):
     assert state.step == 1 and state.train_seconds > 0
     assert checkpoints(tmp_path)[-1].name == "checkpoint-1"
     assert json.loads((tmp_path / "checkpoint-1" / "state.json").read_text())["train_seconds"] > 0
+
+
+def test_schedule_runs_over_whichever_budget_binds(tmp_path):
+    by_steps = loop_cfg(tmp_path, max_steps=100, warmup_ratio=0.1, schedule="cosine")
+    assert lr_factor(by_steps, 0) == pytest.approx(0.1) and lr_factor(by_steps, 9) == pytest.approx(1.0)
+    assert lr_factor(by_steps, 55) == pytest.approx(0.5) and lr_factor(by_steps, 100) == pytest.approx(0.0)
+    # a time budget that binds first: warm-up and decay follow the training seconds, not the far step limit
+    by_time = loop_cfg(tmp_path, max_steps=10**6, max_minutes=10, warmup_ratio=0.1, schedule="linear")
+    assert lr_factor(by_time, 5, seconds=30) == pytest.approx(0.5)  # 5% of 600 s: half way through warm-up
+    assert lr_factor(by_time, 50, seconds=330) == pytest.approx(0.5)  # 55%: half way through the decay
+    assert lr_factor(by_time, 90, seconds=600) == pytest.approx(0.0)
+    assert run_progress(by_time, 10**6 // 2, seconds=60) == pytest.approx(0.5)  # steps further along than time
+
+
+def test_time_budgeted_run_decays_its_learning_rate(tmp_path):
+    # a run stopped by loop.max_minutes ends its schedule there: the last logged LR is far below the peak
+    cfg = loop_cfg(tmp_path, max_steps=10**6, max_minutes=0.02, warmup_ratio=0.0, schedule="linear", save_every=10**6)
+    Loop(cfg, tiny_method(), Recorder()).run()
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert len(lrs) > 3 and lrs[-1] < 0.2 * cfg.lr and lrs == sorted(lrs, reverse=True)

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> Loop:
     prompts = render_prompts(target.tokenizer, load_prompts(Path(cfg.eval.prompts), cfg.eval.num_prompts or None)
                              )[: cfg.eval.num_prompts]
 
-    method = LayerSkip(target.model, target.tokenizer, cfg.layerskip, cfg.loop.max_steps * cfg.loop.grad_accum)
+    method = LayerSkip(target.model, target.tokenizer, cfg.layerskip)
     n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
     print(f"layerskip: {L}-layer target, {n_train / 1e6:.2f}M trainable ({'LoRA' if cfg.layerskip.lora else 'full'}); "
           f"train rows {len(train)}, held-out examples {len(heldout)}, prompts {len(prompts)}")
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> Loop:
     baselines: dict = {}  # plain decoding timed once: the target's size, not its weights, sets its speed
     loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
                 evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
+    method.curriculum.progress = lambda: loop.progress
     loop.run()
     best = loop.run_dir / "best"
     if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:

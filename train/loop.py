@@ -95,17 +95,24 @@ class EpochSampler:
             yield j, perm[lo: lo + self.b]
 
 
-def lr_lambda(cfg: LoopConfig) -> Callable[[int], float]:
-    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+def run_progress(cfg: LoopConfig, step: int, seconds: float) -> float:
+    """Fraction of the run done after `step` optimizer steps and `seconds` of training time: whichever
+    budget is further spent, loop.max_steps or loop.max_minutes. Schedules follow it, so a run stopped
+    by its time budget has still warmed up and decayed over that budget."""
+    steps = step / cfg.max_steps
+    return min(1.0, max(steps, seconds / (60 * cfg.max_minutes)) if cfg.max_minutes else steps)
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1.0 - progress
-    return f
+
+def lr_factor(cfg: LoopConfig, step: int, seconds: float = 0.0) -> float:
+    """Learning-rate multiplier: linear warm-up over loop.warmup_ratio of the run, then the schedule."""
+    progress = run_progress(cfg, step, seconds)
+    w = cfg.warmup_ratio
+    if progress < w:
+        return min(1.0, max((step + 1) / cfg.max_steps, progress) / w)
+    if cfg.schedule == "constant":
+        return 1.0
+    decay = min(1.0, (progress - w) / (1 - w))
+    return 0.5 * (1 + math.cos(math.pi * decay)) if cfg.schedule == "cosine" else 1.0 - decay
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -207,7 +214,8 @@ class Loop:
         if not any(g["params"] for g in groups):
             raise ValueError("the method has no trainable parameters")
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.spent_seconds = 0.0  # training time of the slowest rank, which the schedule and loop.max_minutes read
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, self.spent_seconds))
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
         self.state = LoopState(world_size=self.accelerator.num_processes)
         self.saved_step = -1  # step of the last checkpoint written or loaded
@@ -249,6 +257,11 @@ class Loop:
     @property
     def zero3(self) -> bool:
         return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the run done (see `run_progress`); method schedules such as Medusa-2's head warm-up read it."""
+        return run_progress(self.cfg, self.state.step, self.spent_seconds)
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -351,6 +364,7 @@ class Loop:
         if extra is not None:
             model.load_extra_state(extra)
         self.state = LoopState(**state)
+        self.spent_seconds = self.state.train_seconds
         examples = self.state.micro_batch * self.cfg.batch_size * world  # of this epoch, all ranks together
         per_micro = self.cfg.batch_size * acc.num_processes
         if examples % per_micro:
@@ -410,10 +424,12 @@ class Loop:
             if cfg.grad_clip > 0:
                 metrics_step["grad_norm"] = float(acc.clip_grad_norm_(self.method.parameters(), cfg.grad_clip))
             self.optimizer.step()
-            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
             self.state.train_seconds += time.perf_counter() - t_step
+            if cfg.max_minutes:
+                self.spent_seconds = self._slowest_rank_seconds()
+            self.scheduler.step()
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             window.setdefault("loss", []).append(loss.item())
@@ -426,7 +442,7 @@ class Loop:
                 row.update(lr=self.scheduler.get_last_lr()[0], tokens_per_s=tokens / dt, epoch=self.state.epoch)
                 self.log(row)
                 window, tokens, t0 = {}, 0, time.perf_counter()
-            if cfg.max_minutes and self._slowest_rank_seconds() >= 60 * cfg.max_minutes:
+            if cfg.max_minutes and self.spent_seconds >= 60 * cfg.max_minutes:
                 return self._finish(f"loop.max_minutes={cfg.max_minutes} of training time spent")
             if self.state.step % cfg.save_every == 0 or self.state.step == cfg.max_steps:
                 stop = self.checkpoint()

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> Loop:
         return evaluate_checkpoint(m, heldout, decode, cfg.eval, step)
 
     loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
-    method.progress = lambda: loop.state.step / cfg.loop.max_steps
+    method.progress = lambda: loop.progress
     loop.run()
     return loop
 

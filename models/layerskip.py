@@ -150,7 +150,6 @@ class LayerSkip(nn.Module):
         self.model = model
         base = self.base
         self.L = base.config.num_hidden_layers
-        self.norm, self.lm_head = final_norm(base), base.get_output_embeddings()
         self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation)
         self.dropout = LayerDropout(base, cfg.dropout_max) if cfg.dropout_max > 0 else None
 
@@ -158,6 +157,14 @@ class LayerSkip(nn.Module):
     def base(self) -> nn.Module:
         """The Hugging Face model (under the peft wrapper when LoRA is on)."""
         return self.model.get_base_model() if self.cfg.lora else self.model
+
+    @property
+    def norm(self) -> nn.Module:  # properties, not attributes: a module registered twice confuses FSDP2's sharding
+        return final_norm(self.base)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.base.get_output_embeddings()
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ the config's logit soft-cap) on an intermediate state [b, s, H] -> [b, s, V]."""
@@ -195,10 +202,10 @@ class LayerSkip(nn.Module):
         self.curriculum.load_state_dict(state["curriculum"])
 
     @property
-    def zero3_refusal(self) -> str:
-        """Why this run cannot use DeepSpeed ZeRO-3 (read by the loop at start; empty: it can)."""
-        return ("layerskip.lora=true evaluates a merged copy of the model, which ZeRO-3's sharded parameters cannot "
-                "make; launch with recipes/accelerate/zero2.yaml or ddp.yaml, or set layerskip.lora=false"
+    def sharded_refusal(self) -> str:
+        """Why this run cannot use a sharded target, ZeRO-3 or FSDP2 (read by the loop at start; empty: it can)."""
+        return ("layerskip.lora=true evaluates a merged copy of the model, which sharded parameters (ZeRO-3, FSDP2) "
+                "cannot make; launch with recipes/accelerate/zero2.yaml or ddp.yaml, or set layerskip.lora=false"
                 if self.cfg.lora else "")
 
     def plain_model(self) -> nn.Module:

@@ -8,6 +8,8 @@ A 2-process run (batch b per rank) is compared with a 1-process run of the same 
 (batch b, grad_accum 2): both average the same two per-micro-batch mean losses, so the loss curves
 and weights agree up to float summation order (tolerances below). DeepSpeed runs on CPU with one
 process only (with two, accelerate and DeepSpeed disagree on the world size; the loop refuses).
+FSDP2 runs on 2 CPU processes through tests/fsdp_on_cpu.py, which lifts accelerate's GPU-only gate
+(torch's fully_shard itself runs with gloo).
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ RECIPES = {
                 [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
     "eagle3": ("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", TINY),
 }
+LORA = [*TINY, "layerskip.lora=true", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]
 REFUSED = {  # combinations that must stop at start: name -> (entry, recipe, overrides, launcher config, message)
-    "layerskip-lora-zero3": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
-                             [*TINY, "layerskip.lora=true", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"],
+    "layerskip-lora-zero3": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml", LORA,
                              "recipes/accelerate/zero3.yaml", "layerskip.lora=true evaluates a merged copy"),
+    "layerskip-lora-fsdp2": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml", LORA,
+                             "recipes/accelerate/fsdp2.yaml", "layerskip.lora=true evaluates a merged copy"),
 }
+FSDP2 = "recipes/accelerate/fsdp2.yaml"
 
 
 def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
@@ -53,10 +58,12 @@ def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, co
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     how = ["--config_file", config_file] if config_file else ["--multi_gpu"] if processes > 1 else []
+    shim = ["tests/fsdp_on_cpu.py"] if config_file == FSDP2 else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(processes),
-           "--main_process_port", str(port), entry, "--config", yaml, f"target.path={target}",
+           "--main_process_port", str(port), *shim, entry, "--config", yaml, f"target.path={target}",
            f"loop.output_dir={out}", *overrides, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "false" if config_file else "true"}
+    cpu = not config_file or config_file == FSDP2  # DeepSpeed on one CPU process needs accelerate's GPU path
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true" if cpu else "false"}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and done.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
@@ -147,6 +154,50 @@ def test_resume_with_another_world_size(pairs, tiny_chat_target, tmp_path):
     assert_close(weights(resumed, 4), weights(two, 4))
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(tiny_chat_target, tmp_path_factory):
+    """recipe -> a 2-process FSDP2 run with batch 2 (the global batch of `pairs`), launched once per module."""
+    done: dict[str, Path] = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in done:
+            done[recipe] = tmp_path_factory.mktemp(recipe + "-fsdp2") / "run"
+            launch(recipe, tiny_chat_target, done[recipe], 2, "loop.batch_size=2", "loop.grad_accum=1",
+                   config_file=FSDP2)
+        return done[recipe]
+    return get
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fsdp2_two_processes_match_one_process(recipe, pairs, fsdp2_runs):
+    """The target and the trainable part sharded over 2 processes train like 1 unsharded process, evaluate at
+    every checkpoint (in lockstep) and write whole trainable weights."""
+    one, _ = pairs(recipe)
+    run = fsdp2_runs(recipe)
+    for step, loss in losses(one).items():
+        assert losses(run)[step] == pytest.approx(loss, rel=LOSS_RTOL), step
+    assert_close(weights(run, 4), weights(one, 4))
+    assert sorted(evals(run)) == [2, 4] and (run / "best" / "best.json").is_file()
+    state = json.loads((run / "checkpoint-4" / "state.json").read_text())
+    assert state["backend"] == "fsdp2" and state["world_size"] == 2
+
+
+def test_fsdp2_resumes_exactly_and_under_another_backend(pairs, fsdp2_runs, tiny_chat_target, tmp_path):
+    """The optimizer state is written whole by parameter name: FSDP2 on 2 processes resumes it exactly, and one
+    unsharded process resumes it too (same global batch)."""
+    run = fsdp2_runs("medusa1")
+    again = resume_from(run, 2, tmp_path / "fsdp2")
+    launch("medusa1", tiny_chat_target, again, 2, "loop.batch_size=2", "loop.grad_accum=1", config_file=FSDP2)
+    assert losses(again) == {s: v for s, v in losses(run).items() if s > 2}
+    assert_close(weights(again, 4), weights(run, 4), atol=0)
+    plain = resume_from(run, 2, tmp_path / "plain")
+    done = launch("medusa1", tiny_chat_target, plain, 1, "loop.batch_size=2", "loop.grad_accum=2")
+    assert "2 processes wrote it, 1 resume it" in done.stdout and "written under fsdp2, resumed under ddp" in done.stdout
+    for step, loss in losses(plain).items():
+        assert loss == pytest.approx(losses(run)[step], rel=LOSS_RTOL)
+    assert_close(weights(plain, 4), weights(run, 4))
+
+
 @pytest.mark.parametrize("name", ["ddp", "zero2", "zero3", "fsdp2", "multinode-zero2"])
 def test_launcher_configs_load_through_accelerate(name):
     """Each config goes through `accelerate launch`'s own parsing, and its plugin is built from the environment
@@ -221,6 +272,7 @@ def test_deepspeed_with_two_cpu_processes_is_refused(tiny_chat_target, tmp_path)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_unsupported_combination_is_refused_at_start(name, tiny_chat_target, tmp_path):
     *_, config_file, message = REFUSED[name]
-    done = launch(name, tiny_chat_target, tmp_path / "run", 1, config_file=config_file, check=False)
+    processes = 2 if config_file == FSDP2 else 1  # accelerate makes one process plain, not FSDP
+    done = launch(name, tiny_chat_target, tmp_path / "run", processes, config_file=config_file, check=False)
     assert done.returncode != 0 and message in done.stderr
     assert not list((tmp_path / "run").glob("checkpoint-*")), "refused before training"

@@ -4,21 +4,24 @@ A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its
 parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
 rates), `save_pretrained(dir)` (the artefact evaluation and export read), `extra_state()` /
 `load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it) and
-`zero3_refusal` (why it cannot run on ZeRO-3's sharded parameters, and the fix; empty if it can).
+`sharded_refusal` (why it cannot run on ZeRO-3's or FSDP2's sharded parameters, and the fix; empty if it can).
 The loop owns everything else: accelerate, gradient accumulation, mixed precision, clipping,
 schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
 Distributed runs (launcher configs in recipes/accelerate/): under DDP and DeepSpeed ZeRO-2 every
 rank holds the whole target; rank 0 evaluates at checkpoints while the others wait, and rank 0
-alone writes metadata, trackers and exports. Under ZeRO-3 the target is sharded, so every rank
-runs the same (greedy, deterministic) evaluation in lockstep, each forward gathering its layers.
-DeepSpeed's optimizer state is sharded: it is saved and restored with accelerate's
-`save_state`/`load_state` (frozen parameters excluded) and only under the world size that wrote
-it; DDP checkpoints resume under any world size. FSDP is refused at start (see `Loop.__init__`).
+alone writes metadata, trackers and exports. Under ZeRO-3 and FSDP2 the target is sharded, so
+every rank runs the same (greedy, deterministic) evaluation in lockstep, each layer gathering its
+parameters in its forward (FSDP2's root parameters, such as embeddings and drafter heads, stay
+gathered for the evaluation). DeepSpeed's optimizer state is sharded: it is saved and restored
+with accelerate's `save_state`/`load_state` (frozen parameters excluded) and only under the world
+size that wrote it. Otherwise the whole optimizer state is written by parameter name
+(torch.distributed.checkpoint's full state dict), so single-process, DDP and FSDP2 checkpoints
+resume under any world size and under one another.
 
 Run directory layout:
     config.yaml, command.txt, metrics.jsonl
-    checkpoint-<step>/  trainable.safetensors, optimizer.pt, scheduler.pt, rng.safetensors,
+    checkpoint-<step>/  trainable.safetensors, optimizer.pt (keyed by parameter name), scheduler.pt, rng.safetensors,
                         state.json, model/ (method.save_pretrained);
                         under DeepSpeed deepspeed/ (every rank's ZeRO shards) instead of
                         optimizer.pt and scheduler.pt
@@ -47,7 +50,16 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from safetensors.torch import load_file, save_file
+from torch import distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from draftsmith.train.config import LoopConfig
@@ -70,6 +82,7 @@ class LoopState:
     evals_since_best: int = 0
     train_seconds: float = 0.0  # wall time spent in training steps (evaluations and saves excluded)
     world_size: int = 1  # processes that wrote the checkpoint (micro_batch counts global micro-batches of it)
+    backend: str = "ddp"  # "ddp" (one process or DDP), "fsdp2" or "deepspeed": what wrote the checkpoint
 
 
 class EpochSampler:
@@ -205,9 +218,9 @@ class Loop:
                                        project_dir=str(self.run_dir), gradient_accumulation_steps=cfg.grad_accum,
                                        step_scheduler_with_optimizer=False,
                                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
-        self._check_launch()
-        if self.zero3 and getattr(method, "zero3_refusal", ""):
-            raise ValueError(method.zero3_refusal)
+        self._check_launch(method)
+        if self.sharded and getattr(method, "sharded_refusal", ""):
+            raise ValueError(method.sharded_refusal)
         set_seed(cfg.seed)
         groups = method.param_groups(cfg.lr) if hasattr(method, "param_groups") else \
             [{"params": [p for p in method.parameters() if p.requires_grad]}]
@@ -217,7 +230,7 @@ class Loop:
         self.spent_seconds = 0.0  # training time of the slowest rank, which the schedule and loop.max_minutes read
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, self.spent_seconds))
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
-        self.state = LoopState(world_size=self.accelerator.num_processes)
+        self.state = LoopState(world_size=self.accelerator.num_processes, backend=self.backend)
         self.saved_step = -1  # step of the last checkpoint written or loaded
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -228,17 +241,25 @@ class Loop:
         if cfg.resume == "auto" and checkpoints(self.run_dir):
             self.load(checkpoints(self.run_dir)[-1])
 
-    def _check_launch(self) -> None:
-        """Refuse launches this loop cannot serve; fill DeepSpeed's "auto" batch and clipping from the recipe."""
+    def _check_launch(self, method: nn.Module) -> None:
+        """Refuse launches this loop cannot serve; fill DeepSpeed's "auto" batch and clipping from the recipe, and
+        FSDP2's layer classes to shard from the models inside the method."""
         acc, cfg = self.accelerator, self.cfg
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched != acc.num_processes:
             raise RuntimeError(f"{launched} processes were launched but accelerate sees {acc.num_processes}: without "
-                               "GPUs launch DDP with ACCELERATE_USE_CPU=true (gloo); DeepSpeed and FSDP need GPUs")
-        if acc.distributed_type == DistributedType.FSDP:
-            raise ValueError("FSDP shards the target, but checkpoint evaluation and export read it whole outside "
-                             "FSDP's forward; launch with recipes/accelerate/zero3.yaml (sharded) or zero2.yaml / ddp.yaml")
-        if acc.distributed_type != DistributedType.DEEPSPEED:
+                               "GPUs launch DDP with ACCELERATE_USE_CPU=true (gloo); accelerate runs DeepSpeed and FSDP "
+                               "on GPUs only")
+        if self.fsdp:
+            plugin = acc.state.fsdp_plugin
+            if plugin.fsdp_version != 2:
+                raise ValueError("FSDP1 is not supported: set fsdp_version: 2 in the accelerate config "
+                                 "(recipes/accelerate/fsdp2.yaml)")
+            if plugin.transformer_cls_names_to_wrap is None:  # each decoder layer its own FSDP unit
+                present = {type(m).__name__ for m in method.modules()}
+                plugin.transformer_cls_names_to_wrap = sorted(
+                    {n for m in method.modules() for n in getattr(m, "_no_split_modules", None) or ()} & present)
+        if not self.deepspeed:
             return
         ds = acc.state.deepspeed_plugin.deepspeed_config
         want = {"train_micro_batch_size_per_gpu": cfg.batch_size, "gradient_accumulation_steps": cfg.grad_accum,
@@ -259,6 +280,19 @@ class Loop:
         return self.deepspeed and self.accelerator.state.deepspeed_plugin.zero_stage == 3
 
     @property
+    def fsdp(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP
+
+    @property
+    def sharded(self) -> bool:
+        """The frozen target is sharded over the ranks (ZeRO-3 or FSDP2): evaluation runs on every rank in lockstep."""
+        return self.zero3 or self.fsdp
+
+    @property
+    def backend(self) -> str:
+        return "deepspeed" if self.deepspeed else "fsdp2" if self.fsdp else "ddp"
+
+    @property
     def progress(self) -> float:
         """Fraction of the run done (see `run_progress`); method schedules such as Medusa-2's head warm-up read it."""
         return run_progress(self.cfg, self.state.step, self.spent_seconds)
@@ -268,12 +302,17 @@ class Loop:
         return self.accelerator.unwrap_model(self.method)
 
     def _whole_trainable(self):
-        """Context in which the trainable parameters are whole on every rank (ZeRO-3 gathers them)."""
-        if not self.zero3:
-            return contextlib.nullcontext()
-        import deepspeed
+        """Context in which the trainable parameters are whole on every rank (a collective)."""
+        if self.zero3:
+            import deepspeed
 
-        return deepspeed.zero.GatheredParameters([p for p in self.method.parameters() if p.requires_grad])
+            return deepspeed.zero.GatheredParameters([p for p in self.method.parameters() if p.requires_grad])
+        return _materialised(self.method) if self.fsdp else contextlib.nullcontext()
+
+    def _evaluation_context(self):
+        """FSDP2 gathers a wrapped layer's parameters in that layer's forward, but the root's own (the target's
+        embeddings and LM head, drafter heads) only in the root's forward, which evaluation bypasses: gather them."""
+        return _unsharded(self.method) if self.fsdp else contextlib.nullcontext()
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -287,11 +326,15 @@ class Loop:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
+        optimizer = None
         if self.deepspeed:
             acc.save_state(str(tmp / "deepspeed"), exclude_frozen_parameters=True)
+        else:  # whole and keyed by parameter name; a collective under FSDP2
+            optimizer = get_optimizer_state_dict(self.method, self.optimizer.optimizer,
+                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         with self._whole_trainable():
             if acc.is_main_process:
-                self._write(tmp, metrics)
+                self._write(tmp, metrics, optimizer)
         acc.wait_for_everyone()
         if acc.is_main_process:
             _replace(tmp, final)
@@ -305,13 +348,13 @@ class Loop:
         self.saved_step = self.state.step
         return final
 
-    def _write(self, d: Path, metrics: dict) -> None:
+    def _write(self, d: Path, metrics: dict, optimizer: dict | None) -> None:
         """Rank 0's part of a checkpoint: trainable weights, optimizer and scheduler (unless DeepSpeed holds
         them), RNG, loop and method state, and the method's own artefact."""
         model = self.unwrapped
         save_file(trainable_state(model), d / "trainable.safetensors")
-        if not self.deepspeed:
-            torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        if optimizer is not None:
+            torch.save(optimizer, d / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
         tensors, meta = _rng_state()
         save_file(tensors, d / "rng.safetensors")
@@ -340,8 +383,9 @@ class Loop:
         acc, model = self.accelerator, self.unwrapped
         state = json.loads((ckpt / "state.json").read_text())
         world = state.get("world_size", 1)
-        if self.deepspeed != (ckpt / "deepspeed").is_dir():
-            raise ValueError(f"{ckpt} was written {'with' if not self.deepspeed else 'without'} DeepSpeed; resume "
+        written = state.get("backend", "ddp")
+        if "deepspeed" in (written, self.backend) and written != self.backend:
+            raise ValueError(f"{ckpt} was written {'with' if written == 'deepspeed' else 'without'} DeepSpeed; resume "
                              "with the launcher config that wrote it, or set loop.resume=never with a new loop.output_dir")
         if self.deepspeed:
             if world != acc.num_processes:
@@ -355,8 +399,11 @@ class Loop:
                 raise ValueError(f"{ckpt} does not match this method's trainable parameters "
                                  f"(missing {sorted(expected - set(weights))[:3]}, extra {sorted(set(weights) - expected)[:3]}); "
                                  "resume with the same recipe or set loop.resume=never with a new loop.output_dir")
-            model.load_state_dict(weights, strict=False)
-            self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+            # whole state dicts by parameter name, sharded here as this launch shards (FSDP2) or copied (DDP)
+            options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=False)
+            set_model_state_dict(self.method, weights, options=options)
+            set_optimizer_state_dict(self.method, self.optimizer.optimizer,
+                                     torch.load(ckpt / "optimizer.pt", weights_only=True), options=options)
             self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         _set_rng_state(load_file(ckpt / "rng.safetensors"), state.pop("rng"))
         state.pop("metrics", None)
@@ -370,10 +417,12 @@ class Loop:
         if examples % per_micro:
             raise ValueError(f"{ckpt} stopped {examples} examples into its epoch, not a whole number of "
                              f"{per_micro}-example global micro-batches; resume with {world} processes")
-        self.state.micro_batch, self.state.world_size = examples // per_micro, acc.num_processes
+        self.state.micro_batch, self.state.world_size, self.state.backend = examples // per_micro, acc.num_processes, \
+            self.backend
         self.saved_step = self.state.step
         acc.print(f"resumed from {ckpt} at step {self.state.step}"
-                  + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else ""))
+                  + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else "")
+                  + (f" (written under {written}, resumed under {self.backend})" if written != self.backend else ""))
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -458,14 +507,14 @@ class Loop:
         return float(self.accelerator.reduce(seconds, "max"))
 
     def checkpoint(self) -> bool:
-        """Evaluate (rank 0 while the others wait; every rank in lockstep under ZeRO-3), save, and say whether
-        early stopping is due. The time spent here is not training time."""
+        """Evaluate (rank 0 while the others wait; every rank in lockstep when the target is sharded), save, and say
+        whether early stopping is due. The time spent here is not training time."""
         metrics = {}
         if self.evaluate is not None:
             t = time.perf_counter()
-            if self.zero3 or self.accelerator.is_main_process:
+            if self.sharded or self.accelerator.is_main_process:
                 self.method.eval()
-                with torch.no_grad():
+                with torch.no_grad(), self._evaluation_context():
                     metrics = self.evaluate(self.unwrapped, self.state.step)
                 self.method.train()
             metrics = broadcast_object_list([metrics])[0]
@@ -490,6 +539,36 @@ class Loop:
                 fh.write(json.dumps(row) + "\n")
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=self.state.step)
+
+
+@contextlib.contextmanager
+def _unsharded(root: FSDPModule):
+    """Gather the FSDP2 root unit's own parameters on every rank (a collective) until the context ends; the root
+    keeps them gathered through its forwards (accelerate leaves the root's reshard_after_forward off)."""
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
+
+
+@contextlib.contextmanager
+def _materialised(model: nn.Module):
+    """Swap the trainable FSDP2 parameters (DTensor shards) for whole plain copies (a collective) until the context
+    ends. Unlike FSDPModule.unshard, this survives `state_dict()`, which FSDP2 makes reshard its units, so that
+    save_pretrained and the checkpoint read ordinary tensors; FSDP2's own state stays sharded throughout."""
+    swapped = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and isinstance(p, DTensor):
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            swapped.append((module, attr, p))
+            setattr(module, attr, nn.Parameter(p.full_tensor(), requires_grad=True))
+    try:
+        yield
+    finally:
+        for module, attr, p in swapped:
+            setattr(module, attr, p)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

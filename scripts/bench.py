@@ -34,12 +34,10 @@ for gamma = 1..8 (Medusa: up to its number of heads), gamma* its argmax, which i
 Writes the JSON, a Markdown table (`.md`) and three plots beside it: tau by method, acceptance by
 draft position, tau against training step (the runs' checkpoint evaluations in metrics.jsonl).
 
-Time on 2 idle CPU cores at the defaults: training 6 methods x 5 min = 30 min, plus per run
-~1.5 min of start-up, data and checkpoint evaluations (~9 min); evaluation of 15 variants x 20
-prompts at ~1 s per prompt and variant for both temperatures (plain + speculative decoding, each
-<= 128 tokens at ~4 ms per target forward) = ~5 min, plus gamma* re-measurements and model loading
-(~3 min): ~47 min in all. The evaluation's share scales with prompts x tokens, training with
-`--budget-minutes`. Decoding runs on `--threads 1` by default: a 10M-parameter target at batch 1
+Time at the defaults: 44 min 15 s measured on 2 CPU cores shared with lower-priority jobs (6 methods
+trained 5 min each, plus start-up, checkpoint evaluations and the final evaluation of 15 variants on
+20 prompts x 128 tokens at both temperatures). The evaluation's share scales with prompts x tokens,
+training with `--budget-minutes`. Decoding runs on `--threads 1` by default: a 10M-parameter target at batch 1
 is latency-bound, and on cores shared with other jobs two OpenMP threads once decoded 10x slower
 than one (450-760 ms against 46 ms per token at load average 8). Training keeps torch's default
 threads: at one thread, Medusa-1 trained at ~85 tokens/s against ~940 with the default, side by side.

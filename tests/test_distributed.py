@@ -40,7 +40,17 @@ RECIPES = {
                 [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
     "eagle3": ("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", TINY),
 }
-LORA = [*TINY, "layerskip.lora=true", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]
+EXIT = ["eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]
+OTHERS = {  # the remaining recipes, run under every launcher config by the slow matrix test
+    "medusa2": ("train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml",
+                [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
+    "eagle1": ("train/eagle.py", "recipes/eagle/tiny-code.yaml", TINY),
+    "distill": ("train/distill.py", "recipes/distill/tiny-code.yaml", [o for o in TINY if "heldout" not in o]),
+    "distill-on-policy": ("train/distill.py", "recipes/distill/on-policy-tiny-code.yaml",
+                          [o for o in TINY if "heldout" not in o]),
+    "layerskip": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml", [*TINY, *EXIT]),
+}
+LORA = [*TINY, "layerskip.lora=true", *EXIT]
 REFUSED = {  # combinations that must stop at start: name -> (entry, recipe, overrides, launcher config, message)
     "layerskip-lora-zero3": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml", LORA,
                              "recipes/accelerate/zero3.yaml", "layerskip.lora=true evaluates a merged copy"),
@@ -53,7 +63,7 @@ FSDP2 = "recipes/accelerate/fsdp2.yaml"
 def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
            check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch` an entry script on `processes` CPU processes (gloo) for a tiny run."""
-    entry, yaml, overrides = RECIPES[recipe] if recipe in RECIPES else REFUSED[recipe][:3]
+    entry, yaml, overrides = {**RECIPES, **OTHERS, **{k: v[:3] for k, v in REFUSED.items()}}[recipe]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -276,3 +286,17 @@ def test_unsupported_combination_is_refused_at_start(name, tiny_chat_target, tmp
     done = launch(name, tiny_chat_target, tmp_path / "run", processes, config_file=config_file, check=False)
     assert done.returncode != 0 and message in done.stderr
     assert not list((tmp_path / "run").glob("checkpoint-*")), "refused before training"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("recipe", list(OTHERS))
+def test_every_other_recipe_trains_evaluates_and_checkpoints_under_each_config(recipe, config, tiny_chat_target,
+                                                                                 tmp_path):
+    """4 steps with checkpoints at 2 and 4: DDP and FSDP2 on 2 processes, ZeRO-2/3 on one (all the CPU allows)."""
+    processes = 1 if config.startswith("zero") else 2
+    run = tmp_path / "run"
+    launch(recipe, tiny_chat_target, run, processes, "loop.batch_size=2",
+           config_file="" if config == "ddp" else f"recipes/accelerate/{config}.yaml")
+    assert sorted(losses(run)) == [1, 2, 3, 4] and sorted(evals(run)) == [2, 4]
+    assert (run / "best" / "best.json").is_file() and (run / "checkpoint-4" / "trainable.safetensors").is_file()

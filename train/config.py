@@ -28,7 +28,9 @@ class LoopConfig:
     seed: int = 0
     max_steps: int = 1000
     max_epochs: float = 1.0e9
-    max_minutes: float = 0.0  # stop once this much training time (evaluations excluded) is spent; 0: no limit
+    # stop once this much training time (evaluations excluded) is spent; 0: no limit. Schedules (warm-up, decay)
+    # run over whichever of max_steps and max_minutes is further spent
+    max_minutes: float = 0.0
     batch_size: int = 8  # per device, per micro-step
     grad_accum: int = 1
     lr: float = 1e-3

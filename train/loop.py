@@ -302,12 +302,12 @@ class Loop:
         return self.accelerator.unwrap_model(self.method)
 
     def _whole_trainable(self):
-        """Context in which the trainable parameters are whole on every rank (a collective)."""
+        """Context in which the trainable parameters are whole for rank 0's write (a collective)."""
         if self.zero3:
             import deepspeed
 
             return deepspeed.zero.GatheredParameters([p for p in self.method.parameters() if p.requires_grad])
-        return _materialised(self.method) if self.fsdp else contextlib.nullcontext()
+        return _materialised(self.method, self.accelerator.is_main_process) if self.fsdp else contextlib.nullcontext()
 
     def _evaluation_context(self):
         """FSDP2 gathers a wrapped layer's parameters in that layer's forward, but the root's own (the target's
@@ -553,17 +553,21 @@ def _unsharded(root: FSDPModule):
 
 
 @contextlib.contextmanager
-def _materialised(model: nn.Module):
-    """Swap the trainable FSDP2 parameters (DTensor shards) for whole plain copies (a collective) until the context
-    ends. Unlike FSDPModule.unshard, this survives `state_dict()`, which FSDP2 makes reshard its units, so that
-    save_pretrained and the checkpoint read ordinary tensors; FSDP2's own state stays sharded throughout."""
+def _materialised(model: nn.Module, writer: bool):
+    """On the writing rank, swap the trainable FSDP2 parameters (DTensor shards) for whole copies in host memory
+    until the context ends; every rank takes part in gathering them, one parameter at a time. Unlike
+    FSDPModule.unshard, this survives `state_dict()`, which FSDP2 makes reshard its units, so save_pretrained and
+    the checkpoint read ordinary tensors; FSDP2's own state stays sharded throughout."""
     swapped = []
     for name, p in model.named_parameters():
         if p.requires_grad and isinstance(p, DTensor):
-            owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner)
-            swapped.append((module, attr, p))
-            setattr(module, attr, nn.Parameter(p.full_tensor(), requires_grad=True))
+            whole = p.full_tensor()  # a collective
+            if writer:
+                owner, _, attr = name.rpartition(".")
+                module = model.get_submodule(owner)
+                swapped.append((module, attr, p))
+                setattr(module, attr, nn.Parameter(whole.cpu(), requires_grad=True))
+            del whole
     try:
         yield
     finally:

@@ -67,10 +67,9 @@ class LayerSkipConfig:
 class Curriculum:
     """Which early layers carry the early-exit loss at each step; its state resumes exactly."""
 
-    def __init__(self, kind: str, num_layers: int, rotation: int = 2):
-        self.kind, self.L, self.R = kind, num_layers, rotation
+    def __init__(self, kind: str, num_layers: int, rotation: int = 2, progress: Callable[[], float] = lambda: 1.0):
+        self.kind, self.L, self.R, self.progress = kind, num_layers, rotation, progress  # progress: fraction done
         self.step = 0  # micro-batches seen
-        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; set by the entry script
 
     def enabled(self) -> list[int]:
         """Early layers (1-based, < L) whose exit is trained at the current step."""
@@ -150,7 +149,8 @@ class LayerSkip(nn.Module):
         self.model = model
         base = self.base
         self.L = base.config.num_hidden_layers
-        self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation)
+        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
+        self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation, lambda: self.progress())
         self.dropout = LayerDropout(base, cfg.dropout_max) if cfg.dropout_max > 0 else None
 
     @property

@@ -209,7 +209,7 @@ class Medusa(nn.Module):
         c = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.heads = MedusaHeads(c.hidden_size, target.lm_head.weight.shape[0], cfg.num_heads, cfg.num_layers,
                                  target.lm_head, cfg.share_lm_head)
-        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; set by the entry script
+        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
         self.choices: Choices | None = None  # decoding tree (None: chain); the evaluator sets the measured one
 
     @property

@@ -193,3 +193,12 @@ def test_time_budgeted_run_decays_its_learning_rate(tmp_path):
     Loop(cfg, tiny_method(), Recorder()).run()
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     assert lrs[-1] == 0.0 and lrs == sorted(lrs, reverse=True)
+
+
+def test_the_loop_hands_its_progress_to_a_method_that_declares_one(tmp_path):
+    method = tiny_method()
+    method.progress = lambda: -1.0  # a method's schedule reads this; the loop replaces it with its own progress
+    loop = Loop(loop_cfg(tmp_path, max_steps=8), method, Recorder())
+    assert method.progress() == 0.0
+    loop.run()
+    assert method.progress() == 1.0

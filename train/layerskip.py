@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> Loop:
     baselines: dict = {}  # plain decoding timed once: the target's size, not its weights, sets its speed
     loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
                 evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
-    method.curriculum.progress = lambda: loop.progress
     loop.run()
     best = loop.run_dir / "best"
     if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:

@@ -3,7 +3,8 @@
 A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its trainable
 parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
 rates), `save_pretrained(dir)` (the artefact evaluation and export read), `extra_state()` /
-`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it) and
+`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it), `progress` (a
+callable the loop replaces with its `Loop.progress`, for schedules inside the method) and
 `sharded_refusal` (why it cannot run on ZeRO-3's or FSDP2's sharded parameters, and the fix; empty if it can).
 The loop owns everything else: accelerate, gradient accumulation, mixed precision, clipping,
 schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
@@ -82,7 +83,6 @@ class LoopState:
     evals_since_best: int = 0
     train_seconds: float = 0.0  # wall time spent in training steps (evaluations and saves excluded)
     world_size: int = 1  # processes that wrote the checkpoint (micro_batch counts global micro-batches of it)
-    backend: str = "ddp"  # "ddp" (one process or DDP), "fsdp2" or "deepspeed": what wrote the checkpoint
 
 
 class EpochSampler:
@@ -227,10 +227,12 @@ class Loop:
         if not any(g["params"] for g in groups):
             raise ValueError("the method has no trainable parameters")
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        self.spent_seconds = 0.0  # training time of the slowest rank, which the schedule and loop.max_minutes read
+        self.spent_seconds = 0.0  # training time of the slowest rank, which the schedules and loop.max_minutes read
+        if hasattr(method, "progress"):
+            method.progress = lambda: self.progress
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, self.spent_seconds))
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
-        self.state = LoopState(world_size=self.accelerator.num_processes, backend=self.backend)
+        self.state = LoopState(world_size=self.accelerator.num_processes)
         self.saved_step = -1  # step of the last checkpoint written or loaded
         if self.accelerator.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -359,8 +361,8 @@ class Loop:
         tensors, meta = _rng_state()
         save_file(tensors, d / "rng.safetensors")
         extra = model.extra_state() if hasattr(model, "extra_state") else None
-        (d / "state.json").write_text(json.dumps({**self.state.__dict__, "rng": meta, "metrics": metrics,
-                                                  "method": extra}))
+        (d / "state.json").write_text(json.dumps({**self.state.__dict__, "backend": self.backend, "rng": meta,
+                                                  "metrics": metrics, "method": extra}))
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(d / "model")
 
@@ -383,9 +385,9 @@ class Loop:
         acc, model = self.accelerator, self.unwrapped
         state = json.loads((ckpt / "state.json").read_text())
         world = state.get("world_size", 1)
-        written = state.get("backend", "ddp")
-        if "deepspeed" in (written, self.backend) and written != self.backend:
-            raise ValueError(f"{ckpt} was written {'with' if written == 'deepspeed' else 'without'} DeepSpeed; resume "
+        written = state.pop("backend", "ddp")
+        if self.deepspeed != (ckpt / "deepspeed").is_dir():
+            raise ValueError(f"{ckpt} was written {'with' if not self.deepspeed else 'without'} DeepSpeed; resume "
                              "with the launcher config that wrote it, or set loop.resume=never with a new loop.output_dir")
         if self.deepspeed:
             if world != acc.num_processes:
@@ -417,8 +419,7 @@ class Loop:
         if examples % per_micro:
             raise ValueError(f"{ckpt} stopped {examples} examples into its epoch, not a whole number of "
                              f"{per_micro}-example global micro-batches; resume with {world} processes")
-        self.state.micro_batch, self.state.world_size, self.state.backend = examples // per_micro, acc.num_processes, \
-            self.backend
+        self.state.micro_batch, self.state.world_size = examples // per_micro, acc.num_processes
         self.saved_step = self.state.step
         acc.print(f"resumed from {ckpt} at step {self.state.step}"
                   + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else "")

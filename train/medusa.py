@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> Loop:
         return evaluate_checkpoint(m, heldout, decode, cfg.eval, step)
 
     loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
-    method.progress = lambda: loop.progress
     loop.run()
     return loop
 

@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
 from draftsmith.models.export import Format, register
-from draftsmith.models.lm import masked_ce
+from draftsmith.models.lm import masked_ce, masked_mean
 from draftsmith.models.target import Target
 from draftsmith.train.config import ConfigError
 
@@ -172,19 +172,13 @@ def divergence(p_logits: torch.Tensor, q_logits: torch.Tensor, kind: str, beta: 
     raise ValueError(f"unknown divergence {kind!r}; choose one of {LOSSES[1:]}")
 
 
-def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of per-position values [b, s-1] over positions whose next token is trained (loss_mask [b, s])."""
-    mask = loss_mask[:, 1:].to(values.dtype)  # [b, s-1]
-    return (values * mask).sum() / mask.sum().clamp_min(1)
-
-
 def distill_loss(p_logits: torch.Tensor | None, q_logits: torch.Tensor, input_ids: torch.Tensor,
                  loss_mask: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
     """The configured loss over assistant tokens. p_logits, q_logits [b, s, V]; input_ids, loss_mask [b, s]."""
     if cfg.loss == "ce":
         return masked_ce(q_logits, input_ids, loss_mask)
     d = divergence(p_logits[:, :-1], q_logits[:, :-1], cfg.loss, cfg.beta, cfg.temperature)  # [b, s-1]
-    return masked_mean(d, loss_mask)
+    return masked_mean(d, loss_mask[:, 1:])
 
 
 # ---- on-policy sequences -----------------------------------------------------------------------------
@@ -274,9 +268,9 @@ class Distill(nn.Module):
         if p_logits is not None:
             with torch.no_grad():  # alpha at T = 1 is 1 - TV (DistillSpec); greedy agreement is alpha at T = 0
                 tv = divergence(p_logits[:, :-1], q_logits[:, :-1].detach(), "tvd")  # [b, s-1]
-                metrics["alpha_t1"] = 1 - float(masked_mean(tv, mask))
+                metrics["alpha_t1"] = 1 - float(masked_mean(tv, mask[:, 1:]))
                 agree = (p_logits[:, :-1].argmax(-1) == q_logits[:, :-1].argmax(-1)).float()  # [b, s-1]
-                metrics["alpha_t0"] = float(masked_mean(agree, mask))
+                metrics["alpha_t0"] = float(masked_mean(agree, mask[:, 1:]))
         return loss, metrics
 
     def extra_state(self) -> dict:

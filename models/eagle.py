@@ -47,6 +47,7 @@ from draftsmith.decoding import cache as kv
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
+from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 
@@ -285,15 +286,15 @@ class Eagle(nn.Module):
             log_q = F.log_softmax(d.logits(out, self.target.lm_head).float(), -1)  # [b, s, Vd]
             ce = -(p * log_q).sum(-1)  # [b, s]
             if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
-                step_loss = _masked_mean(ce, valid & d.t2d[target_next])
+                step_loss = masked_mean(ce, valid & d.t2d[target_next])
             else:
                 l1 = F.smooth_l1_loss(out, shift(f, j), reduction="none").mean(-1)  # [b, s]
-                step_loss = _masked_mean(cfg.feature_weight * l1 + cfg.token_weight * ce, valid)
+                step_loss = masked_mean(cfg.feature_weight * l1 + cfg.token_weight * ce, valid)
             total = total + cfg.decay ** k * step_loss
             ok = d.draft_ids[log_q.argmax(-1)] == target_next  # [b, s]
             metrics[f"loss_{k}"] = step_loss.item()
-            metrics[f"acc_{k}"] = _masked_mean(ok.float(), valid).item()
-            metrics[f"cond_acc_{k}"] = _masked_mean(ok.float(), valid & on_path).item()
+            metrics[f"acc_{k}"] = masked_mean(ok.float(), valid).item()
+            metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), valid & on_path).item()
             on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics
@@ -323,10 +324,6 @@ class Eagle(nn.Module):
             "method": "eagle", "version": self.cfg.version, "aux_layers": self.layers,
             "aux_layers_convention": "hidden_states index: the input to decoder layer i (EAGLE repository)",
             "ttt_steps": self.cfg.ttt_steps, "target": self.target.path}, indent=1))
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1)
 
 
 def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from draftsmith.models.eagle import EagleDrafter, load_drafter
-from draftsmith.models.export import Format, register
+from draftsmith.models.export import Format, register, write_json
 
 SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this config was checked against (its config and model load it)
@@ -102,14 +102,10 @@ def _llama_fields(config: LlamaConfig, dtype: torch.dtype) -> dict:
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
 def _write(tmp: Path, fmt: str, meta: dict, config: dict, tensors: dict, layers: list[int], ids: dict) -> None:
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE)
-    _write_json(tmp / "config.json", config)
-    _write_json(tmp / SIDE_FILE, {"format": fmt, "method": "eagle", "version": meta["version"],
+    write_json(tmp / "config.json", config)
+    write_json(tmp / SIDE_FILE, {"format": fmt, "method": "eagle", "version": meta["version"],
                                   "target": meta["target"], "ttt_steps": meta["ttt_steps"], "aux_layers": layers,
                                   "aux_layers_convention": TRAINED, "layer_id_fields": ids})
 

@@ -36,6 +36,11 @@ class Format:
 _REGISTRY: dict[tuple[str, str], Format] = {}
 
 
+def write_json(path: Path, obj: dict) -> None:
+    """A config file as the engines' loaders read it (indented JSON, final newline)."""
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
 def register(method: str, name: str, fmt: Format) -> None:
     _REGISTRY[(method, name)] = fmt
 

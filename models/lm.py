@@ -9,15 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` (bool or 0/1, same shape) is set; 0 where none is."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
 def masked_ce(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over positions whose *predicted* token has loss_mask 1.
 
     logits [b, s, V]; input_ids, loss_mask [b, s].
     """
     target = input_ids[:, 1:]  # [b, s-1]
-    mask = loss_mask[:, 1:].to(logits.dtype)
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), target.flatten(), reduction="none")
-    return (ce * mask.flatten()).sum() / mask.sum().clamp_min(1)
+    return masked_mean(ce.view_as(target), loss_mask[:, 1:])
 
 
 class CausalLM(nn.Module):

@@ -32,7 +32,7 @@ from torch import nn
 from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.lm import masked_ce
+from draftsmith.models.lm import masked_ce, masked_mean
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 
@@ -185,11 +185,10 @@ def head_warmup(kind: str, progress: float, ratio: float) -> float:
 
 def masked_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean KL(p || q) over positions whose predicted token has loss_mask 1. logits [b, s, V], mask [b, s]."""
-    mask = loss_mask[:, 1:].float()  # [b, s-1]
     logp = F.log_softmax(p_logits[:, :-1].float(), -1)  # [b, s-1, V]
     logq = F.log_softmax(q_logits[:, :-1].float(), -1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [b, s-1]
-    return (kl * mask).sum() / mask.sum().clamp_min(1)
+    return masked_mean(kl, loss_mask[:, 1:])
 
 
 class Medusa(nn.Module):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.models.export import Format, register
+from draftsmith.models.export import Format, register, write_json
 from draftsmith.models.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from draftsmith.models.target import Target, load_target
 
@@ -67,10 +67,6 @@ def _base_path(drafter: MedusaDrafter, tmp: Path, final: Path) -> str:
     return str(final / "backbone")
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
 def write_medusa(drafter_dir: Path, tmp: Path, final: Path, tgi: bool = False) -> None:
     drafter = load_medusa(drafter_dir)
     heads = drafter.heads
@@ -78,7 +74,7 @@ def write_medusa(drafter_dir: Path, tmp: Path, final: Path, tgi: bool = False) -
         raise ValueError(f"TGI needs medusa_num_layers == 1 (this drafter has {heads.num_layers}); "
                          "export --format medusa or vllm instead")
     base = _base_path(drafter, tmp, final)
-    _write_json(tmp / "config.json", {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+    write_json(tmp / "config.json", {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
                                       "base_model_name_or_path": base})
     save_file(_medusa_tensors(heads), tmp / HEAD_FILE)
 
@@ -126,7 +122,7 @@ def write_vllm(drafter_dir: Path, tmp: Path, final: Path) -> None:
             tensors[f"blocks.{k}.layers.{j}.bias"] = state[f"blocks.{k}.{j}.linear.bias"]
         if not heads.share_lm_head or k == 0:
             tensors[f"lm_heads.{k}.weight"] = state[f"proj.{k}.weight"]
-    _write_json(tmp / "config.json", {
+    write_json(tmp / "config.json", {
         "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size, "truncated_vocab_size": heads.vocab_size, "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers, "max_paths": 64, "topk": 10, "medusa_fc_bias": True,

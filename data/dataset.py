@@ -103,9 +103,10 @@ def _local_kind(path: Path) -> str:
     if path.is_dir():
         return "saved" if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
             else "files"
-    builder = LOCAL_FORMATS.get(path.suffix.lower())
+    suffixes = [x.lower() for x in path.suffixes]
+    builder = LOCAL_FORMATS.get(suffixes[-2] if suffixes[-1:] == [".gz"] and len(suffixes) > 1 else path.suffix.lower())
     if builder is None:
-        raise ValueError(f"data.path {path}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)}")
+        raise ValueError(f"data.path {path}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)} (json and jsonl may be gzipped)")
     return f"file:{builder}"
 
 

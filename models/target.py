@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.models.zoo import resolve_target
+
 REFERENCE_TARGET = Path(__file__).resolve().parent / "reference-target"
 
 
@@ -70,7 +72,7 @@ class Target(nn.Module):
 class TargetConfig:
     """The `target` section of every recipe."""
 
-    path: str = str(REFERENCE_TARGET)  # a local Hugging Face model directory or a hub id
+    path: str = str(REFERENCE_TARGET)  # a local Hugging Face model directory, a hub id or a named real target (zoo)
     dtype: str = "float32"
     trust_remote_code: bool = False  # off unless a recipe turns it on
 
@@ -78,7 +80,7 @@ class TargetConfig:
 def load_target(path: str | Path = REFERENCE_TARGET, dtype: torch.dtype | str = torch.float32,
                 trust_remote_code: bool = False, frozen: bool = True) -> Target:
     """Tokenizer + `AutoModelForCausalLM` from a local dir or hub id; every parameter frozen by default."""
-    path = str(path)
+    path = resolve_target(path)
     if Path(path) == REFERENCE_TARGET and not (REFERENCE_TARGET / "config.json").is_file():
         raise FileNotFoundError(f"the reference target is not built yet ({REFERENCE_TARGET}); run "
                                 "`accelerate launch train/target.py` or pass target.path=<HF model>")

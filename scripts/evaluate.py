@@ -25,6 +25,7 @@ from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.decoding.proposers import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET
+from draftsmith.models.zoo import resolve_target
 
 
 def table(results: dict) -> str:
@@ -60,7 +61,7 @@ def plot(results: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(REFERENCE_TARGET), help="Hugging Face causal LM directory")
+    parser.add_argument("--target", default=str(REFERENCE_TARGET), help="Hugging Face causal LM directory or a named target")
     parser.add_argument("--drafter", required=True, help="checkpoint dir, ngram, lookahead or draft:DIR")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="JSONL of messages or prompt rows")
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", help="write a PNG of acceptance by position and the tau histogram")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args(argv)
+    args.target = resolve_target(args.target)
     if not (Path(args.target) / "config.json").is_file():
         raise SystemExit(f"--target {args.target}: no config.json there; pass a Hugging Face model directory")
 

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.chat import to_messages
 from draftsmith.data.dataset import DataConfig, load_raw
+from draftsmith.models.zoo import resolve_target
 
 log = logging.getLogger("draftsmith.regenerate")
 
@@ -100,7 +101,7 @@ def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="HF model directory of the target (with its tokenizer)")
+    parser.add_argument("--target", required=True, help="HF model directory of the target (with its tokenizer) or a named target")
     parser.add_argument("--data", required=True, help="jsonl/json/parquet/arrow file, saved dataset or hub name")
     parser.add_argument("--out", required=True, help="JSONL to write (appended to when resuming)")
     parser.add_argument("--split", default="train")
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=0, help="first K conversations only; 0: all")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    args.target = resolve_target(args.target)
     if args.temperature < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
         parser.error("--temperature must be >= 0, --batch-size and --max-new-tokens >= 1")
     if not (Path(args.target) / "config.json").is_file():

@@ -1,4 +1,4 @@
-"""The assistant-only loss mask, token by token, on the real chat templates of four model families.
+"""The assistant-only loss mask, token by token, on the real chat templates of five model families.
 
 The templates in tests/fixtures/chat_templates/ are the published Jinja templates (see the
 README there); the tokenizers are tiny byte-level BPEs trained here with each family's special
@@ -55,6 +55,9 @@ FAMILIES = {
     # (test_rewriting_templates_raise covers the system prompt).
     "mistral-v0.3": Family("mistral-7b-instruct-v0.3.jinja", ["<s>", "</s>", "[INST]", "[/INST]"],
                            "<s>", "</s>", " ", "</s>", system=False),
+    # SmolLM2-135M-Instruct's template as its GGUF carries it: ChatML with a default system prompt.
+    "smollm2": Family("smollm2-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                      None, "<|im_end|>", "", "<|im_end|>"),
     "gemma-3": Family("gemma-3-it.jinja", ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"],
                       "<bos>", "<eos>", "", "<end_of_turn>"),
 }

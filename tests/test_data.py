@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -72,6 +73,10 @@ def test_every_format_gives_the_same_rows(tokenizer, tmp_path):
     data_dir.mkdir()
     (data_dir / "part-0.jsonl").write_text(paths["jsonl"].read_text())
     ds = D.build_dataset(D.DataConfig(path=str(data_dir), max_length=512, cache=False), tokenizer)
+    assert ds.to_list() == expected
+    gz = tmp_path / "data.jsonl.gz"  # the committed self-distilled data is gzipped JSONL
+    gz.write_bytes(gzip.compress(paths["jsonl"].read_bytes()))
+    ds = D.build_dataset(D.DataConfig(path=str(gz), max_length=512, cache=False), tokenizer)
     assert ds.to_list() == expected
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ValueError, match="does not exist"):

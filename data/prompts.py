@@ -1,0 +1,176 @@
+"""Diverse chat prompts built from code, for self-distilling a real target (scripts/self_distill.py).
+
+No hub, no downloaded data: code tasks come from the running interpreter's standard library (functions
+to write from their docstrings, functions to explain, modules to describe), prose to summarise and rewrite
+comes from the stdlib's module docstrings, and the rest (arithmetic, word problems, short factual
+questions, lists and formats, multi-turn follow-ups) from small templates filled by a seeded RNG.
+Every prompt is a conversation ending in a user turn; multi-turn ones hold an empty assistant turn that
+regeneration fills first. The split is by a hash of the first user turn, so it never depends on order.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import random
+
+from draftsmith.data.reference import stdlib_files
+
+HELDOUT_PERCENT = 8
+
+COUNTRIES = {
+    "France": "Paris", "Japan": "Tokyo", "Kenya": "Nairobi", "Brazil": "Brasilia", "Canada": "Ottawa",
+    "Egypt": "Cairo", "India": "New Delhi", "Mexico": "Mexico City", "Norway": "Oslo", "Peru": "Lima",
+    "Spain": "Madrid", "Italy": "Rome", "Germany": "Berlin", "Chile": "Santiago", "Australia": "Canberra",
+    "Vietnam": "Hanoi", "Poland": "Warsaw", "Ghana": "Accra", "Turkey": "Ankara", "Argentina": "Buenos Aires",
+    "Sweden": "Stockholm", "Greece": "Athens", "Portugal": "Lisbon", "Thailand": "Bangkok", "Morocco": "Rabat",
+}
+CONCEPTS = [
+    "photosynthesis", "gravity", "a prime number", "inflation", "an algorithm", "democracy", "evolution",
+    "the water cycle", "an atom", "electricity", "a black hole", "climate", "a vaccine", "the internet",
+    "a recursive function", "a hash table", "machine learning", "compound interest", "a volcano", "DNA",
+    "an ecosystem", "the speed of light", "a binary search", "encryption", "a database index", "friction",
+    "supply and demand", "a metaphor", "the immune system", "renewable energy", "a compiler", "an API",
+    "version control", "a neural network", "the greenhouse effect", "an earthquake", "a fraction",
+    "the Pythagorean theorem", "a sonnet", "cloud computing", "a memory leak", "a unit test", "recycling",
+]
+TOPICS = ["the ocean", "autumn", "a city at night", "friendship", "coffee", "the mountains", "a rainy day",
+          "learning to code", "the moon", "a busy kitchen", "a quiet library", "spring flowers", "trains"]
+CATEGORIES = ["fruits", "programming languages", "European capitals", "musical instruments", "mammals",
+              "board games", "vegetables", "sports", "colors", "tools in a kitchen", "planets",
+              "ways to save energy", "healthy breakfasts", "tips for studying", "Python built-in functions",
+              "reasons to learn math", "things to pack for a trip", "jobs in a hospital", "types of clouds"]
+NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jules", "Kemal", "Lena",
+         "Mateo", "Nia", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
+ITEMS = ["apples", "pencils", "stickers", "books", "marbles", "cookies", "coins", "cards", "shells", "stamps"]
+FOLLOW_UPS = ["Can you make that shorter?", "Explain it to a ten-year-old.", "Can you give an example?",
+              "Why is that?", "Now summarise your answer in one sentence.", "Can you say it more formally?",
+              "What is a common mistake people make here?", "Put the main points in a bulleted list."]
+CODE_FOLLOW_UPS = ["Add type hints to it.", "Write a short test for it.", "Can you explain how it works?",
+                   "What is its time complexity?", "Add a docstring to it.", "Rewrite it without a loop, if you can."]
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def code_prompts(rng: random.Random) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(write-this-function, explain-this-function, what-is-this-module, prose paragraphs) from the stdlib."""
+    write, explain, modules, prose = [], [], [], []
+    for f in stdlib_files():
+        try:
+            tree = ast.parse(f.text)
+        except SyntaxError:
+            continue
+        mod = f.relpath.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        doc = ast.get_docstring(tree)
+        if doc and not mod.startswith("_") and "._" not in mod:
+            modules.append(mod)
+            prose += [p.strip() for p in doc.split("\n\n") if 200 <= len(p.strip()) <= 900
+                      and p.count(">>>") == 0]
+        lines = f.text.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            fdoc = ast.get_docstring(node)
+            if fdoc and 20 <= len(first := fdoc.strip().split("\n\n")[0].replace("\n", " ")) <= 300:
+                args = ", ".join(a.arg for a in node.args.args)
+                write.append(f"Write a Python function `{node.name}({args})` that does the following: {first}")
+            n = node.end_lineno - node.lineno + 1
+            if 4 <= n <= 25:
+                src = "\n".join(lines[node.lineno - 1: node.end_lineno])
+                explain.append(f"Explain what this Python function does:\n\n```python\n{src}\n```")
+    for xs in (write, explain, modules, prose):
+        rng.shuffle(xs)
+    return write, explain, modules, prose
+
+
+def arithmetic(rng: random.Random) -> str:
+    a, b = rng.randint(2, 999), rng.randint(2, 99)
+    return rng.choice([f"What is {a} + {b}?", f"What is {a} - {b}?", f"What is {a} times {b}?",
+                       f"Compute {a * b} divided by {b}.", f"Is {a} a prime number? Explain briefly.",
+                       f"What is {b}% of {a}?", f"Round {a / b:.4f} to two decimal places.",
+                       f"What is the square of {b}?"])
+
+
+def word_problem(rng: random.Random) -> str:
+    p, q = rng.sample(NAMES, 2)
+    item, a, b, c = rng.choice(ITEMS), rng.randint(5, 60), rng.randint(1, 4), rng.randint(2, 9)
+    return rng.choice([
+        f"{p} has {a} {item} and gives {b} to {q}. How many {item} does {p} have left?",
+        f"{p} buys {c} bags with {a} {item} in each. How many {item} is that in total?",
+        f"{p} and {q} share {a * c} {item} equally among {c} friends. How many does each friend get?",
+        f"A train travels at {a} km per hour for {c} hours. How far does it go?",
+        f"{p} reads {c} pages a day. How many days does a {a * c}-page book take?",
+        f"A shirt costs ${a}. It is on sale for {10 * b}% off. What is the sale price?",
+    ]) + rng.choice(["", " Show your steps.", " Answer with a short explanation."])
+
+
+def factual(rng: random.Random) -> str:
+    country = rng.choice(list(COUNTRIES))
+    concept = rng.choice(CONCEPTS)
+    return rng.choice([f"What is the capital of {country}?", f"What is {concept}?",
+                       f"Explain {concept} in two sentences.", f"Name one fact about {country}.",
+                       f"Which continent is {country} in?", f"What is {COUNTRIES[country]} known for?",
+                       f"Give a simple definition of {concept}."])
+
+
+def formats(rng: random.Random) -> str:
+    cat, topic, n, name = rng.choice(CATEGORIES), rng.choice(TOPICS), rng.randint(3, 7), rng.choice(NAMES)
+    return rng.choice([f"List {n} {cat}.", f"Give me {n} {cat} as a numbered list.",
+                       f"Write a haiku about {topic}.", f"Write a short poem about {topic}.",
+                       f"Write a JSON object describing a person named {name} with keys name, age and city.",
+                       f"Make a markdown table of {n} {cat} with one column for a short description.",
+                       f"Write a two-sentence story about {topic}.", f"Write a short email to {name} about {topic}.",
+                       f"Give {n} {cat} separated by commas, nothing else.",
+                       f"Write a tweet about {topic}.", f"Write a title for an article about {topic}."])
+
+
+def rewrite(rng: random.Random, para: str) -> str:
+    return rng.choice(["Summarise this in one sentence:\n\n", "Rewrite this text in simpler words:\n\n",
+                       "Turn this into a bulleted list of key points:\n\n", "What is the main idea of this text?\n\n",
+                       "Fix any grammar problems and make this clearer:\n\n"]) + para
+
+
+def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
+    """n distinct conversations `{"id", "kind", "split", "messages"}`, each ending in a user turn."""
+    rng = random.Random(seed)
+    write, explain, modules, prose = code_prompts(rng)
+    makers = {  # kind -> (share of n, maker of one user text)
+        "code_write": (0.18, lambda: write.pop()),
+        "code_explain": (0.12, lambda: explain.pop()),
+        "module": (0.05, lambda: f"What is the Python `{modules.pop()}` module used for?"),
+        "rewrite": (0.10, lambda: rewrite(rng, rng.choice(prose))),
+        "arithmetic": (0.12, lambda: arithmetic(rng)),
+        "word_problem": (0.10, lambda: word_problem(rng)),
+        "factual": (0.10, lambda: factual(rng)),
+        "formats": (0.13, lambda: formats(rng)),
+    }
+    rows, seen = [], set()
+    for kind, (share, make) in makers.items():
+        target, tries = round(share * n), 0
+        while sum(r["kind"] == kind for r in rows) < target and tries < 20 * target:
+            tries += 1
+            try:
+                text = make()
+            except IndexError:  # a stdlib pool ran dry
+                break
+            if text not in seen:
+                seen.add(text)
+                rows.append({"kind": kind, "messages": user(text)})
+    # Multi-turn: a first question, an assistant turn regeneration fills, then a follow-up.
+    firsts = [r for r in rows if r["kind"] != "rewrite"]
+    while len(rows) < n:
+        first = rng.choice(firsts)
+        follow = rng.choice(CODE_FOLLOW_UPS if first["kind"].startswith("code") else FOLLOW_UPS)
+        key = first["messages"][0]["content"] + "\n>> " + follow
+        if key not in seen:
+            seen.add(key)
+            rows.append({"kind": "multi_turn", "messages": first["messages"] + [
+                {"role": "assistant", "content": ""}, {"role": "user", "content": follow}]})
+    for r in rows:
+        users = [m["content"] for m in r["messages"] if m["role"] == "user"]
+        r["id"] = hashlib.sha256("\n>> ".join(users).encode()).hexdigest()[:16]
+        bucket = int(hashlib.sha256(users[0].encode()).hexdigest()[:8], 16) % 100
+        r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
+    return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]

@@ -104,3 +104,18 @@ def test_checkpoint_evaluator_returns_flat_metrics_with_tau(tiny):
     assert metrics["eval_prompts"] == 2 and metrics["greedy_matches_target"] == 1.0
     assert all(isinstance(v, float | int) for v in metrics.values())
     assert fn(method, 20)["tau"] == metrics["tau"]  # greedy: same drafter, same prompts, same tau
+
+
+def test_verify_cost_curve_and_the_speedup_model_that_prices_it(tiny):
+    from draftsmith.decoding import cost
+
+    curve = cost.verify_cost_curve(tiny[2], ks=(1, 2, 4), context=16, repeats=2)
+    assert sorted(curve) == [1, 2, 4] and all(s > 0 for s in curve.values())
+    rel = cost.relative(curve)
+    assert rel[1] == 1.0
+    rel = {1: 1.0, 2: 1.2, 4: 2.0, 8: 3.0}
+    assert cost.verify_cost(rel, 3) == pytest.approx(1.6) and cost.verify_cost(rel, 16) == pytest.approx(5.0)
+    # alpha 0.5, gamma 3: 1.875 tokens per step; a step costs v(4) = 2 plus 3 drafts at c = 0.1.
+    assert cost.predicted_speedup(0.5, 0.1, 3, rel) == pytest.approx(1.875 / 2.3)
+    assert cost.predicted_speedup(0.5, 0.1, 3) == pytest.approx(1.875 / 1.3)  # the GPU model: v = 1
+    assert cost.expected_tokens(1.0, 3) == 4

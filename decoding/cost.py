@@ -1,0 +1,85 @@
+"""What verification costs: the verify-cost curve, and the speedup model that uses it.
+
+    curve = verify_cost_curve(model)                      # {k: seconds of one forward over k new tokens}
+    predicted_speedup(alpha, c, gamma, relative(curve))   # tokens per step / cost of a step in 1-token forwards
+
+On a GPU a forward over a handful of tokens costs about what one token does, so the classic model
+(Leviathan et al. 2023) prices a verification of gamma + 1 tokens as one plain step. On a CPU the cost
+grows with k (SmolLM2-135M on 2 cores: ~2.3-2.8x a 1-token forward at k = 8), so every drafted token
+that is rejected costs real time; the curve measures it, and the model prices each step with it:
+
+    speedup(gamma) = E[tokens per step] / (v(gamma + 1) + gamma * c)
+    E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha)
+
+where v(k) is the forward over k tokens relative to a 1-token forward (v(1) = 1) and c the drafter's
+time per drafted token relative to a 1-token forward of the target.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from draftsmith.decoding import cache as kv
+
+KS = (1, 2, 4, 8, 16, 32)
+
+
+@torch.no_grad()
+def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repeats: int = 7,
+                      seed: int = 0) -> dict[int, float]:
+    """Median seconds of one forward over k new tokens on a `context`-token KV cache, for each k.
+
+    The k values are measured in a shuffled order each round, so load from other jobs on a shared
+    machine falls on all of them alike; the cache is cropped back to `context` after every forward.
+    """
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g, device=device)  # [1, context + K]
+    cache = kv.new_cache()
+    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    order = list(ks)
+    rng = random.Random(seed)
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        rng.shuffle(order)
+        for k in order:
+            pos = torch.arange(context, context + k, device=device)[None]  # [1, k]
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, context:context + k], position_ids=pos, past_key_values=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+            kv.crop(cache, context)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
+def relative(curve: dict[int, float]) -> dict[int, float]:
+    """The curve in units of a 1-token forward."""
+    return {k: s / curve[1] for k, s in curve.items()}
+
+
+def verify_cost(rel: dict[int, float], k: int) -> float:
+    """v(k): linear interpolation between the measured points (and extrapolation past the last two)."""
+    ks = sorted(rel)
+    if k in rel:
+        return rel[k]
+    lo = max([x for x in ks if x < k], default=ks[0])
+    hi = min([x for x in ks if x > k], default=None)
+    if hi is None:
+        lo, hi = ks[-2], ks[-1]
+    return rel[lo] + (rel[hi] - rel[lo]) * (k - lo) / (hi - lo)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens per step (bonus included) of a chain of gamma drafts with i.i.d. acceptance alpha."""
+    return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha: float, c: float, gamma: int, rel: dict[int, float] | None = None) -> float:
+    """Speedup over plain decoding; without a curve, a verification costs one plain step (the GPU model)."""
+    return expected_tokens(alpha, gamma) / ((verify_cost(rel, gamma + 1) if rel else 1.0) + gamma * c)

@@ -46,6 +46,12 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
         with gzip.open(out / f"{split}.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as fh:
             for r in part:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    # Decoding prompts for tau: each held-out conversation up to its last user turn (earlier answers kept).
+    with open(out / "heldout_prompts.jsonl", "w") as fh:
+        for r in rows:
+            if r["split"] == "heldout":
+                fh.write(json.dumps({"id": r["id"], "kind": r["kind"], "messages": r["messages"][:-1]},
+                                    ensure_ascii=False) + "\n")
     prompts = [json.loads(line) for line in open(work / "prompts.jsonl")]
     timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").is_file() else {}
     settings = {**settings, "answered": counts, "prompts": {

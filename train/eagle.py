@@ -42,6 +42,7 @@ class EvalConfig:
     """Held-out rows scored at every checkpoint, and the decoding that measures tau."""
 
     heldout_examples: int = 64
+    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
     prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL)
     num_prompts: int = 8
     max_new_tokens: int = 64
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/e
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
     train = offline_rows(cfg, target) if cfg.offline.path else build_dataset(cfg.data, target.tokenizer)
-    heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples)
+    heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples, path=cfg.eval.heldout_path)
     draft_ids = draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
         if cfg.eagle.version == 3 else None
     method = Eagle(target, cfg.eagle, draft_ids)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclasses.dataclass
 class EvalConfig:
     heldout_examples: int = 64  # held-out chat examples scored for per-exit loss and agreement
+    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
     prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
     num_prompts: int = 8
     max_new_tokens: int = 64
@@ -92,9 +93,7 @@ def main(argv: list[str] | None = None) -> Loop:
     if bad:
         raise C.ConfigError(f"eval.exit_layers: {bad} out of range for a {L}-layer target; use 1..{L - 1}")
     train = build_dataset(cfg.data, target.tokenizer)
-    heldout_cfg = dataclasses.replace(cfg.data, split="heldout" if not cfg.data.path else cfg.data.split,
-                                      pack=False, limit=cfg.eval.heldout_examples, on_no_assistant="drop")
-    heldout = list(build_dataset(heldout_cfg, target.tokenizer))
+    heldout = heldout_rows(cfg.data, target.tokenizer, cfg.eval.heldout_examples, cfg.eval.heldout_path)
     prompts = render_prompts(target.tokenizer, load_prompts(Path(cfg.eval.prompts), cfg.eval.num_prompts or None)
                              )[: cfg.eval.num_prompts]
 

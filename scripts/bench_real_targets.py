@@ -1,0 +1,76 @@
+"""What a real target costs to decode and verify: provenance, plain decoding speed, the verify-cost curve.
+
+    python scripts/bench_real_targets.py --target smollm2-135m-instruct [--prompts FILE] [--threads 2]
+
+For a named target (models/zoo.py) or any HF directory: its conversion provenance; plain greedy decoding
+(tokens/s through the bundled decoder, the speedup baseline) on held-out prompts; and the verify-cost
+curve (decoding/cost.py: one forward over k = 1, 2, 4, 8, 16, 32 new tokens on a 200-token KV cache,
+medians of shuffled rounds), absolute and relative to a 1-token forward. Writes them under
+`targets.<name>` of `benchmarks/real_targets.json`, keeping everything else in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.data.reference import load_prompts
+from draftsmith.decoding.cost import relative, verify_cost_curve
+from draftsmith.decoding.evaluate import render_prompts
+from draftsmith.decoding.generate import plain_generate
+from draftsmith.models.zoo import resolve_target
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--prompts", default="", help="default data/real/<name>/heldout_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "real_targets.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    name = Path(args.target).name
+    path = Path(resolve_target(args.target))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = render_prompts(tokenizer, load_prompts(
+        Path(args.prompts or REPO / "data" / "real" / name / "heldout_prompts.jsonl"), args.num_prompts))
+
+    t0 = time.perf_counter()
+    new = 0
+    for ids in prompts:
+        _, stats = plain_generate(model, ids, args.max_new_tokens)
+        new += stats.new_tokens
+    plain_s = time.perf_counter() - t0
+    curve = verify_cost_curve(model, context=args.context)
+    row = {
+        "provenance": json.loads((path / "provenance.json").read_text()) if (path / "provenance.json").is_file()
+        else None,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "plain_greedy": {"tokens": new, "seconds": round(plain_s, 2), "tokens_per_s": round(new / plain_s, 2),
+                         "prompts": len(prompts)},
+        "verify_cost": {"context": args.context, "seconds": {str(k): round(s, 5) for k, s in curve.items()},
+                        "relative": {str(k): round(v, 3) for k, v in relative(curve).items()}},
+        "threads": args.threads, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    out = Path(args.out)
+    doc = json.loads(out.read_text()) if out.is_file() else {}
+    doc.setdefault("targets", {})[name] = row
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(json.dumps({k: row[k] for k in ("plain_greedy", "verify_cost")}, indent=1))
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Self-distilled data for real targets: the prompt builder and scripts/self_distill.py end to end (tiny target)."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+
+from conftest import script
+
+from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.prompts import build_prompts
+from draftsmith.data.reference import load_prompts
+
+
+def test_prompts_are_diverse_distinct_and_split_by_first_user_turn():
+    rows = build_prompts(600, seed=1)
+    assert len(rows) == 600 and len({r["id"] for r in rows}) == 600
+    kinds = collections.Counter(r["kind"] for r in rows)
+    assert set(kinds) == {"code_write", "code_explain", "module", "rewrite", "arithmetic", "word_problem", "factual",
+                          "formats", "multi_turn"} and min(kinds.values()) >= 10
+    assert all(r["messages"][-1]["role"] == "user" for r in rows)
+    # A follow-up never lands in the other split from its first question (no held-out leak).
+    split_of = {r["messages"][0]["content"]: r["split"] for r in rows}
+    assert all(split_of[r["messages"][0]["content"]] == r["split"] for r in rows)
+    assert 0.03 < sum(r["split"] == "heldout" for r in rows) / len(rows) < 0.15
+    assert build_prompts(600, seed=1) == rows
+
+
+def test_self_distill_answers_resumes_and_finalizes(tiny_chat_target, tmp_path):
+    sd = script("scripts/self_distill.py")
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "24", "--max-new-tokens", "6", "--batch-size", "8",
+            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    sd.main(args)
+    answers = [json.loads(line) for line in open(tmp_path / "work" / "answers.jsonl")]
+    assert len(answers) == 24 and answers[0]["split"] == "heldout"  # held-out prompts are answered first
+    assert all(m["content"] for r in answers for m in r["messages"] if m["role"] == "assistant")
+    sd.main(args)  # nothing left to do: resuming adds no row
+    assert sum(1 for _ in open(tmp_path / "work" / "answers.jsonl")) == 24
+    sd.main(args + ["--finalize"])
+    settings = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert settings["answered"]["train"] + settings["answered"]["heldout"] == 24
+    assert settings["sampling"]["temperature"] == 0.7 and settings["sampling"]["max_new_tokens"] == 6
+    with gzip.open(tmp_path / "out" / "train.jsonl.gz", "rt") as fh:
+        assert sum(1 for _ in fh) == settings["answered"]["train"]
+    # The committed files feed training and the checkpoint evaluation as they are.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_target)
+    rows = build_dataset(DataConfig(path=str(tmp_path / "out" / "train.jsonl.gz"), cache=False), tok)
+    assert len(rows) == settings["answered"]["train"] and all(sum(r["loss_mask"]) > 0 for r in rows)
+    prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")
+    assert len(prompts) == settings["answered"]["heldout"]
+    assert all(p["messages"][-1]["role"] == "user" for p in prompts)

@@ -109,6 +109,38 @@ def _local_kind(path: Path) -> str:
     return f"file:{builder}"
 
 
+def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversations", "text"), what: str = "data.path"
+                    ) -> int:
+    """Parse a .json (array or JSON lines) or .jsonl file up front; raise one line naming the file and line of the
+    first bad row (unparseable, not an object, or none of `keys`), or an empty file. Returns the row count."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"{what} {path} is empty; give a file with one JSON object per line (keys {list(keys)})")
+    rows: list[tuple[int, Any]]
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = [(0, r) for r in json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((n, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); fix that line (one JSON object per "
+                                     "line)") from None
+    for i, (n, row) in enumerate(rows):
+        where = f"{path}:{n}" if n else f"{path} (element {i})"
+        if not isinstance(row, dict) or not any(k in row for k in keys):
+            raise ValueError(f"{where}: each row needs one of {list(keys)} (OpenAI messages, ShareGPT conversations "
+                             f"or plain text), got {_describe(row) if isinstance(row, dict) else repr(row)[:80]}")
+    if not rows:
+        raise ValueError(f"{what} {path} holds no rows")
+    return len(rows)
+
+
 def load_raw(cfg: DataConfig) -> datasets.Dataset:
     """The examples as they are stored (messages / conversations / text columns), before tokenizing."""
     if not cfg.path:
@@ -134,6 +166,8 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
             elif kind == "files":
                 ds = datasets.load_dataset(str(path), split=cfg.split)
             else:
+                if kind == "file:json":
+                    check_json_rows(path)
                 ds = datasets.load_dataset(kind.split(":")[1], data_files=str(path), split="train")
         elif path.suffix.lower() in LOCAL_FORMATS or cfg.path.startswith((".", "/", "~")):
             raise ValueError(f"data.path {cfg.path} does not exist; give an existing file or directory, or a hub "
@@ -142,6 +176,9 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
             ds = datasets.load_dataset(cfg.path, split=cfg.split, revision=cfg.revision or None)
     if cfg.limit:
         ds = ds.select(range(min(cfg.limit, len(ds))))
+    if not len(ds):
+        raise ValueError(f"data.path {cfg.path or '(reference examples)'} (split {cfg.split!r}) has no examples; "
+                         "point data.path at data with rows")
     return ds
 
 

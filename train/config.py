@@ -46,7 +46,7 @@ class LoopConfig:
     best_mode: Literal["max", "min"] = "max"
     early_stop_patience: int = 0  # evaluations without a new best before stopping; 0: never
     # stop (keeping the last good checkpoint) when a step's loss exceeds divergence_factor x the median loss of the
-    # last divergence_window steps; 0: stop only on a NaN or infinite loss
+    # last divergence_window steps (those since the start or resume, at first); 0: stop only on a NaN or infinite loss
     divergence_factor: float = 10.0
     divergence_window: int = 20
     resume: Literal["auto", "never"] = "auto"

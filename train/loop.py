@@ -518,10 +518,13 @@ class Loop:
     def run(self) -> LoopState:
         """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;
         the lock on the run directory is released however it ends."""
+        self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, dynamic_ncols=True, leave=False,
+                        disable=not self.accelerator.is_main_process)
         try:
             with guard.StopSignals() as signals:
                 return self._run(signals)
         finally:
+            self.bar.close()
             self.lock.release()
 
     def _run(self, signals: guard.StopSignals) -> LoopState:
@@ -530,8 +533,6 @@ class Loop:
         window: dict[str, list[float]] = {}
         tokens, t0 = 0, time.perf_counter()
         self.method.train()
-        self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
-                        dynamic_ncols=True, leave=False)
         while self.state.step < cfg.max_steps:
             t_step = time.perf_counter()
             metrics_step: dict[str, float] = {}
@@ -590,17 +591,18 @@ class Loop:
         return self._finish("max_steps reached")
 
     def _check_divergence(self, loss: float) -> None:
-        """Stop on a NaN/inf loss, or one above loop.divergence_factor x the median of the last
-        loop.divergence_window steps' losses (once that many are known), before the optimizer steps on it."""
+        """Stop on a NaN/inf loss, or one above loop.divergence_factor x the median loss of the last
+        loop.divergence_window steps (as many as there are since the start or resume; a loss that stopped the run
+        never joins them), before the optimizer steps on it."""
         cfg, recent = self.cfg, self.losses[-self.cfg.divergence_window:]
-        median = float(np.median(recent)) if len(recent) == cfg.divergence_window else 0.0
+        median = float(np.median(recent)) if recent else 0.0
         exploded = cfg.divergence_factor and median > 0 and loss > cfg.divergence_factor * median
         if math.isfinite(loss) and not exploded:
             self.losses = recent + [loss]
             return
         self.optimizer.zero_grad(set_to_none=True)
-        why = f"{loss:.4g} > {cfg.divergence_factor:g} x the median {median:.4g} of the last " \
-              f"{cfg.divergence_window} steps" if math.isfinite(loss) else f"{loss}"
+        why = f"{loss:.4g} > {cfg.divergence_factor:g} x the median {median:.4g} of the last {len(recent)} " \
+              "steps" if math.isfinite(loss) else f"{loss}"
         raise TrainingDiverged(f"training diverged at step {self.state.step + 1}: loss {why}; {self._last_good()} "
                                "is kept. Lower loop.lr, raise loop.warmup_ratio or set loop.grad_clip (or tune "
                                "loop.divergence_factor, 0 to stop only on NaN/inf), then resume")

@@ -253,6 +253,15 @@ class Loop:
         if self.accelerator.is_main_process:  # a second trainer on this directory refuses here, before it writes
             self.lock.acquire()
             atexit.register(self.lock.release)
+        try:
+            self._start(method, tracker)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, method: nn.Module, tracker: str | None) -> None:
+        """Prepare the method and optimizer, resume if a checkpoint verifies, then record the run's config."""
+        cfg = self.cfg
         self._check_launch(method)
         if self.sharded and getattr(method, "sharded_refusal", ""):
             raise ValueError(method.sharded_refusal)

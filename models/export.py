@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.models.target import target_fields
 from draftsmith.train.guard import DiskFull, check_free, dir_bytes, is_disk_full, one_line
 
 # module that registers the formats of each method, imported on first use
 PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill",
-             "eagle": "draftsmith.models.eagle_export"}
+             "eagle": "draftsmith.models.eagle_export", "layerskip": "draftsmith.models.layerskip"}
+EXPORT_FILE = "draftsmith_export.json"  # in every export: method, format and the target it verifies with
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool 
     try:
         try:
             fmt.write(drafter_dir, tmp, out)
+            record_target(tmp, drafter_dir, name)
         except (OSError, RuntimeError) as e:
             if is_disk_full(e):
                 raise DiskFull(f"the disk filled up while writing the {name} export ({one_line(e)}); nothing was "
@@ -117,6 +120,16 @@ def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def record_target(tmp: Path, drafter_dir: Path, name: str) -> None:
+    """Add method, format, target and the drafter it came from to the export's draftsmith_export.json."""
+    meta = json.loads((drafter_dir / "drafter.json").read_text())
+    side = tmp / EXPORT_FILE
+    record = json.loads(side.read_text()) if side.is_file() else {}
+    decoding = {k: meta[k] for k in ("tree_choices", "exit_layer", "gamma") if k in meta}  # as checkpoints decoded
+    write_json(side, {**record, "method": meta["method"], "format": name, **target_fields(meta),
+                      "drafter": str(Path(drafter_dir).resolve()), **decoding})
 
 
 def _publishable(root: Path) -> None:

@@ -84,6 +84,13 @@ def target_reference(path: str | Path) -> str:
     return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else str(path)
 
 
+def target_fields(meta: dict) -> dict[str, str]:
+    """The target as every drafter.json and export records it: `target` loads it from anywhere (an absolute
+    directory, or the hub id), `target_as_given` is what the recipe said."""
+    given = meta.get("target_as_given") or meta.get("target") or ""
+    return {"target": target_reference(meta["target"]) if meta.get("target") else "", "target_as_given": given}
+
+
 def safetensors_damage(f: Path) -> str:
     """Why a .safetensors file cannot be whole (truncated, or a header that does not parse), or ''."""
     size = f.stat().st_size

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_loop import Recorder, loop_cfg, tiny_method
 
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import guard
 from draftsmith.train import loop as L
 from draftsmith.train import medusa as medusa_script
 from draftsmith.train.guard import cli
-from tests.test_loop import Recorder, loop_cfg, tiny_method
 
 
 def one_line_error(main, argv) -> str:

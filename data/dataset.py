@@ -31,6 +31,7 @@ import datasets
 from draftsmith.data.chat import NoAssistantTokens, tokenize_example
 from draftsmith.data.packing import pack
 from draftsmith.train.config import ConfigError
+from draftsmith.train.guard import sha256_file
 
 log = logging.getLogger("draftsmith.data")
 
@@ -90,14 +91,6 @@ class DataStats:
                 f"{self.tokens} tokens, {self.trained_tokens} trained")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _local_kind(path: Path) -> str:
     """'file:<builder>', 'saved' (save_to_disk) or 'files' (a directory of data files)."""
     if path.is_dir():
@@ -134,8 +127,8 @@ def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversati
     for i, (n, row) in enumerate(rows):
         where = f"{path}:{n}" if n else f"{path} (element {i})"
         if not isinstance(row, dict) or not any(k in row for k in keys):
-            raise ValueError(f"{where}: each row needs one of {list(keys)} (OpenAI messages, ShareGPT conversations "
-                             f"or plain text), got {_describe(row) if isinstance(row, dict) else repr(row)[:80]}")
+            got = json.dumps(row)[:120] if isinstance(row, dict) else repr(row)[:80]
+            raise ValueError(f"{where}: each row needs one of {list(keys)}, got {got}")
     if not rows:
         raise ValueError(f"{what} {path} holds no rows")
     return len(rows)
@@ -190,10 +183,10 @@ def _data_key(cfg: DataConfig) -> dict[str, Any]:
         return {"reference": corpus_fingerprint(stdlib_files()), "split": cfg.split}
     path = Path(cfg.path).expanduser()
     if path.is_file():
-        return {"file": _sha256_file(path)}
+        return {"file": sha256_file(path)}
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        return {"dir": {p.relative_to(path).as_posix(): _sha256_file(p) for p in files}, "split": cfg.split}
+        return {"dir": {p.relative_to(path).as_posix(): sha256_file(p) for p in files}, "split": cfg.split}
     return {"hub": cfg.path, "revision": cfg.revision, "split": cfg.split}
 
 

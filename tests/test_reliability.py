@@ -104,17 +104,27 @@ def test_declared_metric_names_cover_what_the_evaluation_logs(tmp_path):
 
 # ---- divergence ------------------------------------------------------------------------------------
 
-class Exploding(torch.nn.Module):
-    """A tiny causal LM whose loss is multiplied by `factor` from step `at` on."""
+class AtStep(torch.nn.Module):
+    """A tiny causal LM whose loss goes through `fault(loss, first)` from step `at` on (first: its first
+    micro-batch; the loop config has 2 micro-batches a step)."""
 
-    def __init__(self, at: int, factor: float):
+    def __init__(self, at: int, fault):
         super().__init__()
-        self.inner, self.at, self.factor, self.calls = tiny_method(), at, factor, 0
+        self.inner, self.at, self.fault, self.calls = tiny_method(), at, fault, 0
 
     def forward(self, batch):
         self.calls += 1
         loss, metrics = self.inner(batch)
-        return (loss * self.factor if self.calls > 2 * (self.at - 1) else loss), metrics  # 2 micro-batches a step
+        due = self.calls > 2 * (self.at - 1)
+        return (self.fault(loss, self.calls == 2 * (self.at - 1) + 1) if due else loss), metrics
+
+
+def Exploding(at: int, factor: float) -> AtStep:
+    return AtStep(at, lambda loss, first: loss * factor)
+
+
+def SignalAt(at: int, signum: int) -> AtStep:
+    return AtStep(at, lambda loss, first: (os.kill(os.getpid(), signum) if first else None) or loss)
 
 
 def test_divergence_stops_on_an_exploding_loss_keeping_the_last_good_checkpoint(tmp_path):
@@ -203,20 +213,6 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
 
 
 # ---- signals ---------------------------------------------------------------------------------------
-
-class SignalAt(torch.nn.Module):
-    """A tiny causal LM that sends its own process `signum` during step `at`."""
-
-    def __init__(self, at: int, signum: int):
-        super().__init__()
-        self.inner, self.at, self.signum, self.calls = tiny_method(), at, signum, 0
-
-    def forward(self, batch):
-        self.calls += 1
-        if self.calls == 2 * (self.at - 1) + 1:
-            os.kill(os.getpid(), self.signum)
-        return self.inner(batch)
-
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_checkpoints_and_says_how_to_resume(tmp_path, signum):

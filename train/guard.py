@@ -126,7 +126,7 @@ class RunLock:
 
 # ---- checkpoint manifests --------------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -136,7 +136,7 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(d: Path) -> None:
     """Size and sha256 of every file under `d`, written last (a checkpoint without it is incomplete)."""
-    files = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.relative_to(d).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(d.rglob("*")) if p.is_file() and p.name != MANIFEST}
     (d / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
@@ -155,7 +155,7 @@ def verify(d: Path) -> str:
             return f"{name} is missing"
         if p.stat().st_size != want["bytes"]:
             return f"{name} has {p.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if _sha256(p) != want["sha256"]:
+        if sha256_file(p) != want["sha256"]:
             return f"{name} does not match its checksum"
     return ""
 

@@ -31,6 +31,7 @@ import datasets
 from draftsmith.data.chat import NoAssistantTokens, tokenize_example
 from draftsmith.data.packing import pack
 from draftsmith.train.config import ConfigError
+from draftsmith.train.guard import sha256_file
 
 log = logging.getLogger("draftsmith.data")
 
@@ -90,14 +91,6 @@ class DataStats:
                 f"{self.tokens} tokens, {self.trained_tokens} trained")
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _local_kind(path: Path) -> str:
     """'file:<builder>', 'saved' (save_to_disk) or 'files' (a directory of data files)."""
     if path.is_dir():
@@ -108,6 +101,38 @@ def _local_kind(path: Path) -> str:
     if builder is None:
         raise ValueError(f"data.path {path}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_FORMATS)} (json and jsonl may be gzipped)")
     return f"file:{builder}"
+
+
+def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversations", "text"), what: str = "data.path"
+                    ) -> int:
+    """Parse a .json (array or JSON lines) or .jsonl file up front; raise one line naming the file and line of the
+    first bad row (unparseable, not an object, or none of `keys`), or an empty file. Returns the row count."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"{what} {path} is empty; give a file with one JSON object per line (keys {list(keys)})")
+    rows: list[tuple[int, Any]]
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = [(0, r) for r in json.loads(text)]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append((n, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); fix that line (one JSON object per "
+                                     "line)") from None
+    for i, (n, row) in enumerate(rows):
+        where = f"{path}:{n}" if n else f"{path} (element {i})"
+        if not isinstance(row, dict) or not any(k in row for k in keys):
+            got = json.dumps(row)[:120] if isinstance(row, dict) else repr(row)[:80]
+            raise ValueError(f"{where}: each row needs one of {list(keys)}, got {got}")
+    if not rows:
+        raise ValueError(f"{what} {path} holds no rows")
+    return len(rows)
 
 
 def load_raw(cfg: DataConfig) -> datasets.Dataset:
@@ -135,6 +160,8 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
             elif kind == "files":
                 ds = datasets.load_dataset(str(path), split=cfg.split)
             else:
+                if kind == "file:json":
+                    check_json_rows(path)
                 ds = datasets.load_dataset(kind.split(":")[1], data_files=str(path), split="train")
         elif path.suffix.lower() in LOCAL_FORMATS or cfg.path.startswith((".", "/", "~")):
             raise ValueError(f"data.path {cfg.path} does not exist; give an existing file or directory, or a hub "
@@ -143,6 +170,9 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
             ds = datasets.load_dataset(cfg.path, split=cfg.split, revision=cfg.revision or None)
     if cfg.limit:
         ds = ds.select(range(min(cfg.limit, len(ds))))
+    if not len(ds):
+        raise ValueError(f"data.path {cfg.path or '(reference examples)'} (split {cfg.split!r}) has no examples; "
+                         "point data.path at data with rows")
     return ds
 
 
@@ -154,10 +184,10 @@ def _data_key(cfg: DataConfig) -> dict[str, Any]:
         return {"reference": corpus_fingerprint(stdlib_files()), "split": cfg.split}
     path = Path(cfg.path).expanduser()
     if path.is_file():
-        return {"file": _sha256_file(path)}
+        return {"file": sha256_file(path)}
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        return {"dir": {p.relative_to(path).as_posix(): _sha256_file(p) for p in files}, "split": cfg.split}
+        return {"dir": {p.relative_to(path).as_posix(): sha256_file(p) for p in files}, "split": cfg.split}
     return {"hub": cfg.path, "revision": cfg.revision, "split": cfg.split}
 
 

@@ -104,9 +104,13 @@ def write_heldout_prompts(files: list[SourceFile], path: Path = PROMPTS_PATH) ->
 
 def load_prompts(path: Path = PROMPTS_PATH, limit: int | None = None) -> list[dict]:
     """Held-out prompts as rows of `{"messages": [...]}` or `{"prompt": "raw text"}`."""
+    from draftsmith.data.dataset import check_json_rows
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} not found; give a JSONL of {{\"messages\": [...]}} or "
+                                "{\"prompt\": ...} rows (eval.prompts / --prompts)")
+    check_json_rows(path, ("messages", "prompt"), "prompts file")
     with open(path) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    for i, row in enumerate(rows):
-        if "messages" not in row and "prompt" not in row:
-            raise ValueError(f"{path}:{i + 1}: each line needs 'messages' (OpenAI format) or 'prompt' (raw text)")
     return rows[:limit] if limit else rows

@@ -106,6 +106,12 @@ def flat_metrics(results: dict) -> dict[str, float]:
     return out
 
 
+def decode_metric_names(temperatures: tuple[float, ...] = (0.0,), depth: int = 1) -> list[str]:
+    """The names `flat_metrics` gives a checkpoint evaluation at these temperatures, drafting up to `depth` tokens."""
+    return ["tau", "speedup", "eval_prompts", "eval_seconds", *[f"tau_t{t:g}" for t in temperatures],
+            *[f"acceptance_pos{k}" for k in range(1, depth + 1)]]
+
+
 def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = None, max_new_tokens: int = 64,
                               temperatures: tuple[float, ...] = (0.0,), num_prompts: int = 8, rule: str = "auto",
                               check_greedy: bool = False, proposer_kwargs: dict | None = None

@@ -44,7 +44,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
 from draftsmith.models.export import Format, register
 from draftsmith.models.lm import masked_ce, masked_mean
-from draftsmith.models.target import Target
+from draftsmith.models.target import Target, target_fields
 from draftsmith.train.config import ConfigError
 
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
@@ -288,7 +288,7 @@ class Distill(nn.Module):
         save_draft(self.draft, self.tokenizer, Path(out), self.cfg.gamma)
         (Path(out) / DRAFTER_FILE).write_text(json.dumps(
             {"method": "distill", "gamma": self.cfg.gamma, "init": self.cfg.init, "loss": self.cfg.loss,
-             "target": self.target.path}, indent=2))
+             **target_fields({"target": self.target.path, "target_as_given": self.target.given})}, indent=2))
 
 
 def save_draft(draft: nn.Module, tokenizer, out: Path, gamma: int) -> None:

@@ -48,7 +48,7 @@ from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
 from draftsmith.models.lm import masked_mean
-from draftsmith.models.target import Target, load_target
+from draftsmith.models.target import Target, load_target, target_fields
 from draftsmith.train.config import ConfigError
 
 WEIGHTS_FILE, DRAFTER_FILE, CONFIG_FILE = "eagle.safetensors", "drafter.json", "config.json"
@@ -323,7 +323,8 @@ class Eagle(nn.Module):
         (out / DRAFTER_FILE).write_text(json.dumps({
             "method": "eagle", "version": self.cfg.version, "aux_layers": self.layers,
             "aux_layers_convention": "hidden_states index: the input to decoder layer i (EAGLE repository)",
-            "ttt_steps": self.cfg.ttt_steps, "target": self.target.path}, indent=1))
+            "ttt_steps": self.cfg.ttt_steps,
+            **target_fields({"target": self.target.path, "target_as_given": self.target.given})}, indent=1))
 
 
 def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:

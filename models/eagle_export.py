@@ -43,9 +43,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from draftsmith.models.eagle import EagleDrafter, load_drafter
-from draftsmith.models.export import Format, register, write_json
+from draftsmith.models.export import EXPORT_FILE, Format, register, write_json
+from draftsmith.models.target import target_fields
 
-SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
+SIDE_FILE, WEIGHTS_FILE = EXPORT_FILE, "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release this config was checked against (its config and model load it)
 VERSIONS = {"sglang": (3,), "vllm": (1, 3), "speculators": (3,)}  # EAGLE versions each format holds
 TRAINED = "hidden_states index: the input to decoder layer i (EAGLE repository)"
@@ -57,6 +58,7 @@ VLLM_IDS = "id i = the input to decoder layer i (vLLM captures it before running
 
 def _source(drafter_dir: Path, fmt: str) -> tuple[EagleDrafter, dict]:
     drafter, meta = load_drafter(drafter_dir)
+    meta.update(target_fields(meta))  # what the engines load the verifier from
     if meta["version"] not in VERSIONS[fmt]:
         works = [f for f, v in VERSIONS.items() if meta["version"] in v]
         raise ValueError(f"format {fmt} holds EAGLE-{'/'.join(map(str, VERSIONS[fmt]))} drafters and this one is "

@@ -19,18 +19,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.models.target import target_fields
+from draftsmith.train.guard import DiskFull, check_free, dir_bytes, is_disk_full, one_line
+
 # module that registers the formats of each method, imported on first use
 PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill",
-             "eagle": "draftsmith.models.eagle_export"}
+             "eagle": "draftsmith.models.eagle_export", "layerskip": "draftsmith.models.layerskip"}
+EXPORT_FILE = "draftsmith_export.json"  # in every export: method, format and the target it verifies with
 
 
 @dataclass(frozen=True)
 class Format:
-    """write(drafter_dir, tmp_dir, final_dir) fills tmp_dir; load(dir) reads the format back."""
+    """write(drafter_dir, tmp_dir, final_dir) fills tmp_dir; load(dir) reads the format back; with_target: it also
+    writes the target's weights (counted in the free-space check)."""
 
     write: Callable[[Path, Path, Path], None]
     load: Callable[[Path], Any]
     help: str = ""
+    with_target: bool = False
 
 
 _REGISTRY: dict[tuple[str, str], Format] = {}
@@ -60,8 +66,9 @@ def find_drafter(run: str | Path) -> Path:
         return run
     if (run / "best" / "drafter.json").is_file():
         return run / "best"
-    found = sorted((c / "model" for c in run.glob("checkpoint-*") if (c / "model" / "drafter.json").is_file()),
-                   key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit() else -1)
+    found = sorted((c / "model" for c in run.glob("checkpoint-*")  # never a half-written checkpoint-N.tmp
+                    if c.name.split("-")[-1].isdigit() and (c / "model" / "drafter.json").is_file()),
+                   key=lambda p: int(p.parent.name.split("-")[-1]))
     if not found:
         raise FileNotFoundError(f"{run} holds no drafter (no drafter.json, best/ or checkpoint-*/model/); train first")
     return found[-1]
@@ -89,9 +96,20 @@ def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool 
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
+    target = json.loads((drafter_dir / "drafter.json").read_text()).get("target") or ""
+    need = dir_bytes(drafter_dir) + (dir_bytes(Path(target)) if fmt.with_target and target and Path(target).is_dir()
+                                     else 0)
+    check_free(out.parent, need, f"the {name} export", "free space or choose another --out")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        fmt.write(drafter_dir, tmp, out)
+        try:
+            fmt.write(drafter_dir, tmp, out)
+            record_target(tmp, drafter_dir, name)
+        except (OSError, RuntimeError) as e:
+            if is_disk_full(e):
+                raise DiskFull(f"the disk filled up while writing the {name} export ({one_line(e)}); nothing was "
+                               f"left at {out}; free space or choose another --out") from e
+            raise
         _publishable(tmp)
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -102,6 +120,16 @@ def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def record_target(tmp: Path, drafter_dir: Path, name: str) -> None:
+    """Add method, format, target and the drafter it came from to the export's draftsmith_export.json."""
+    meta = json.loads((drafter_dir / "drafter.json").read_text())
+    side = tmp / EXPORT_FILE
+    record = json.loads(side.read_text()) if side.is_file() else {}
+    decoding = {k: meta[k] for k in ("tree_choices", "exit_layer", "gamma") if k in meta}  # as checkpoints decoded
+    write_json(side, {**record, "method": meta["method"], "format": name, **target_fields(meta),
+                      "drafter": str(Path(drafter_dir).resolve()), **decoding})
 
 
 def _publishable(root: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import math
 import warnings
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from draftsmith.decoding.generate import attention_masks
 from draftsmith.decoding.proposers import DraftModel, Proposer, draw, truncated_copy
 from draftsmith.decoding.tree import DraftTree, position_ids
 from draftsmith.decoding.verify import Sampling
+from draftsmith.models.export import Format, register
 from draftsmith.models.lm import masked_ce
 from draftsmith.train.config import ConfigError
 
@@ -358,7 +360,30 @@ def early_exit(target: nn.Module, exit_layer: int, gamma: int = 4) -> EarlyExit 
 def load_proposer(path: str | Path, target: nn.Module, exit_layer: int | None = None,
                   gamma: int = 4) -> EarlyExit | EarlyExitDraft:
     """The early-exit proposer for a LayerSkip export (`drafter.json` names its exit layer)."""
-    import json
-
     info = json.loads((Path(path) / "drafter.json").read_text())
     return early_exit(target, exit_layer or info["exit_layer"], gamma)
+
+
+# ---- export ------------------------------------------------------------------------------------------
+
+def write_hf(drafter_dir: Path, tmp: Path, final: Path) -> None:
+    """The trained target as a plain Hugging Face model directory whose generation config carries
+    `assistant_early_exit` (transformers' self-speculation: `generate(..., assistant_early_exit=E)` reads it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    exit_layer = json.loads((Path(drafter_dir) / "drafter.json").read_text())["exit_layer"]
+    AutoModelForCausalLM.from_pretrained(drafter_dir).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(drafter_dir).save_pretrained(tmp)
+    gen = GenerationConfig.from_pretrained(drafter_dir)
+    gen.assistant_early_exit = exit_layer
+    gen.save_pretrained(tmp)
+
+
+def load_hf(path: Path) -> tuple[nn.Module, int]:
+    """(the model, its exit layer) as transformers reads the directory."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    return AutoModelForCausalLM.from_pretrained(path).eval(), GenerationConfig.from_pretrained(path).assistant_early_exit
+
+
+register("layerskip", "hf", Format(write_hf, load_hf, "HF model dir with generation_config.assistant_early_exit"))

@@ -33,7 +33,7 @@ from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.lm import masked_ce, masked_mean
-from draftsmith.models.target import Target, load_target
+from draftsmith.models.target import Target, load_target, target_fields
 from draftsmith.train.config import ConfigError
 
 HEADS_FILE, DRAFTER_FILE = "medusa_heads.safetensors", "drafter.json"
@@ -263,9 +263,8 @@ class Medusa(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v for k, v in self.heads.export_state().items() if not (self.cfg.share_lm_head and k.startswith("proj."))}
         save_file(state, out / HEADS_FILE)
-        path = self.target.path
         meta = {"method": "medusa", "variant": "medusa2" if self.medusa2 else "medusa1",
-                "target": str(Path(path).resolve()) if path and Path(path).exists() else path,
+                **target_fields({"target": self.target.path, "target_as_given": self.target.given}),
                 "hidden_size": self.heads.hidden_size, "vocab_size": self.heads.vocab_size,
                 "medusa": dataclasses.asdict(self.cfg)}
         if self.choices:

@@ -172,4 +172,4 @@ def load_hf(path: Path) -> MedusaDrafter:
 register("medusa", "medusa", Format(write_medusa, load_medusa_format, "original Medusa layout"))
 register("medusa", "tgi", Format(lambda d, t, f: write_medusa(d, t, f, tgi=True), load_tgi, "TGI Medusa speculator"))
 register("medusa", "vllm", Format(write_vllm, load_vllm, "vLLM model_type: medusa"))
-register("medusa", "hf", Format(write_hf, load_hf, "HF backbone dir + medusa_lm_head.safetensors"))
+register("medusa", "hf", Format(write_hf, load_hf, "HF backbone dir + medusa_lm_head.safetensors", with_target=True))

@@ -10,14 +10,17 @@ i.e. the input to layer i).
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.models.zoo import resolve_target
+from draftsmith.models.zoo import NAMED_TARGETS, resolve_target
 
 REFERENCE_TARGET = Path(__file__).resolve().parent / "reference-target"
 
@@ -33,9 +36,10 @@ class TapOutput:
 class Target(nn.Module):
     """A causal LM (optionally wrapped by peft) with a tokenizer and a hidden-state tap."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, path: str = ""):
+    def __init__(self, model: nn.Module, tokenizer=None, path: str = "", given: str = ""):
         super().__init__()
-        self.model, self.tokenizer, self.path = model, tokenizer, path
+        # path: where it loads from anywhere (absolute directory, or the hub id); given: as the user wrote it
+        self.model, self.tokenizer, self.path, self.given = model, tokenizer, path, given or path
 
     @property
     def config(self):
@@ -73,21 +77,80 @@ class TargetConfig:
     """The `target` section of every recipe."""
 
     path: str = str(REFERENCE_TARGET)  # a local Hugging Face model directory, a hub id or a named real target (zoo)
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False  # off unless a recipe turns it on
+
+
+def target_reference(path: str | Path) -> str:
+    """What loads the target from anywhere: the absolute directory if it exists here, else the hub id as given."""
+    return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else str(path)
+
+
+def target_fields(meta: dict) -> dict[str, str]:
+    """The target as every drafter.json and export records it: `target` loads it from anywhere (an absolute
+    directory, or the hub id), `target_as_given` is what the recipe said."""
+    given = meta.get("target_as_given") or meta.get("target") or ""
+    return {"target": target_reference(meta["target"]) if meta.get("target") else "", "target_as_given": given}
+
+
+def safetensors_damage(f: Path) -> str:
+    """Why a .safetensors file cannot be whole (truncated, or a header that does not parse), or ''."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n)) if 8 + n <= size else None
+    except (struct.error, ValueError, UnicodeDecodeError):
+        return f"{f.name} has no readable safetensors header ({size} bytes)"
+    if header is None:
+        return f"{f.name} is truncated ({size} bytes, shorter than its header)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"{f.name} is truncated or damaged ({size} bytes, its header needs {8 + n + end})"
+    return ""
+
+
+def check_target(path: str, key: str = "target.path") -> None:
+    """Refuse, in one line, a target directory that cannot load: missing, no config.json, no weights, weights
+    truncated or missing shards. A name that is not a local path is left to the hub."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+            raise FileNotFoundError(f"{key}={path} does not exist; give a Hugging Face model directory, a hub id "
+                                    f"(org/name) or a named target ({', '.join(NAMED_TARGETS)})")
+        return
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{key}={path} has no config.json; give a Hugging Face model directory "
+                                "(save_pretrained output)")
+    index = next(iter(sorted(p.glob("*.safetensors.index.json"))), None)
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else \
+        [f.name for f in sorted(p.glob("*.safetensors"))]
+    if not shards and not any(p.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{key}={path} holds no weights (model.safetensors or pytorch_model.bin); "
+                                "copy or re-save the whole model")
+    for name in shards:
+        why = "is missing" if not (p / name).is_file() else safetensors_damage(p / name)
+        if why:
+            why = why if why.startswith(name) else f"{name} {why}"
+            raise ValueError(f"{key}={path}: {why}; re-download or re-save the model")
 
 
 def load_target(path: str | Path = REFERENCE_TARGET, dtype: torch.dtype | str = torch.float32,
                 trust_remote_code: bool = False, frozen: bool = True) -> Target:
     """Tokenizer + `AutoModelForCausalLM` from a local dir or hub id; every parameter frozen by default."""
-    path = resolve_target(path)
+    given, path = str(path), resolve_target(path)
     if Path(path) == REFERENCE_TARGET and not (REFERENCE_TARGET / "config.json").is_file():
         raise FileNotFoundError(f"the reference target is not built yet ({REFERENCE_TARGET}); run "
                                 "`accelerate launch train/target.py` or pass target.path=<HF model>")
+    check_target(path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "the directory" if Path(path).expanduser().exists() else "a hub id (not a local directory)"
+        raise ValueError(f"target.path={path} ({where}) does not load: {' '.join(str(e).split())[:300]}") from None
     model.requires_grad_(not frozen)
     if frozen:
         model.eval()
-    return Target(model, tokenizer, path)
+    return Target(model, tokenizer, target_reference(path), given)

@@ -78,6 +78,7 @@ from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
 from draftsmith.models.target import REFERENCE_TARGET, Target
+from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 GAMMAS = range(1, 9)
@@ -226,7 +227,7 @@ def train(method: Method, run: Path, budget_minutes: float, target: str, overrid
 
 def training_record(run: Path, drafter_dir: Path, curve: str) -> dict:
     """What the run recorded: steps and training seconds of its last checkpoint, the best step, tau by step."""
-    ckpts = sorted(run.glob("checkpoint-*/state.json"), key=lambda p: int(p.parent.name.split("-")[-1]))
+    ckpts = [c / "state.json" for c in checkpoints(run) if (c / "state.json").is_file()]
     state = json.loads(ckpts[-1].read_text()) if ckpts else {}
     best = drafter_dir / "best.json"
     key = curve.format(**json.loads((drafter_dir / "drafter.json").read_text()))

@@ -29,6 +29,7 @@ from draftsmith.decoding.proposers import load_proposer
 from draftsmith.models.export import find_drafter
 from draftsmith.models.medusa import chain_choices
 from draftsmith.models.target import load_target
+from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"greedy": 0.0, "t1": 1.0}
@@ -37,7 +38,7 @@ SETTINGS = {"greedy": 0.0, "t1": 1.0}
 def training_record(run: Path) -> dict:
     """Steps, training time and throughput of a run, and its best checkpoint's evaluation."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    last = sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    last = checkpoints(run)[-1]
     state = json.loads((last / "state.json").read_text())
     best = json.loads((run / "best" / "best.json").read_text())
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]

@@ -1,11 +1,16 @@
 """Measure a drafter by real speculative decoding with its target.
 
-    python scripts/evaluate.py --target DIR --drafter SPEC [--prompts FILE] [--num-prompts 20]
-        [--max-new-tokens 128] [--temperatures 0 1] [--rule auto|greedy|exact|typical] [--plot acc.png]
+    python scripts/evaluate.py --drafter SPEC [--target DIR] [--prompts FILE] [--num-prompts 8]
+        [--max-new-tokens 64] [--temperatures 0 1] [--rule auto|greedy|exact|typical] [--plot acc.png]
         --out results.json
 
-SPEC: a drafter checkpoint directory, `ngram` (prompt lookup), `lookahead`, or `draft:DIR` (a draft
-model with the target's tokenizer). Prompts come from the reference target's held-out set unless
+SPEC: a drafter checkpoint directory (a run's best/ or a checkpoint's model/), an export written by
+scripts/export.py (any format: its draftsmith_export.json names method, format and target), `ngram`
+(prompt lookup), `lookahead`, or `draft:DIR` (a draft model with the target's tokenizer). The target
+defaults to the one the drafter records (the reference target for the others); the defaults (8
+prompts x 64 tokens, greedy, the drafter's own tree / gamma / exit layer) are those of the
+checkpoint evaluation during training, so a logged tau is reproduced without flags. Prompts come
+from the reference target's held-out set unless
 `--prompts FILE` (JSONL; each line `{"messages": [...]}` rendered with the target's chat template, or
 `{"prompt": "raw text"}`) is given. Prints a table and writes tau, acceptance by position, the
 accepted-length histogram, speedup over the target's own decoding, and greedy equality checked
@@ -23,9 +28,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import load_proposer
-from draftsmith.models.target import REFERENCE_TARGET
+from draftsmith.decoding.proposers import DraftModel, load_proposer
+from draftsmith.models.eagle import EagleProposer
+from draftsmith.models.export import EXPORT_FILE, load
+from draftsmith.models.layerskip import early_exit
+from draftsmith.models.medusa import MedusaProposer, chain_choices
+from draftsmith.models.target import REFERENCE_TARGET, check_target, load_target
 from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import cli
 
 
 def table(results: dict) -> str:
@@ -58,33 +68,70 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def recorded_target(spec: str) -> str:
+    """The target a drafter directory or export records (drafter.json / draftsmith_export.json), else the reference;
+    a LayerSkip checkpoint verifies with itself."""
+    for name in (EXPORT_FILE, "drafter.json"):
+        meta = Path(spec.removeprefix("draft:")) / name
+        info = json.loads(meta.read_text()) if meta.is_file() else {}
+        if name == "drafter.json" and info.get("method") == "layerskip":
+            return str(meta.parent)
+        if info.get("target"):
+            return info["target"]
+    return str(REFERENCE_TARGET)
+
+
+def export_proposer(path: Path, target_path: str, gamma: int | None, dtype: torch.dtype):
+    """(verifying model, tokenizer, proposer) for an export of any format, read back through its own loader."""
+    side = json.loads((path / EXPORT_FILE).read_text())
+    loaded = load(side["method"], side["format"], path)
+    if side["method"] == "layerskip":  # the export is the target; its first E layers draft
+        model, exit_layer = loaded
+        return model.to(dtype), AutoTokenizer.from_pretrained(path), early_exit(model, exit_layer, gamma or 4)
+    if side["method"] == "medusa":  # verified by the backbone it names (Medusa-2: its own merged backbone)
+        target, heads = loaded.target, loaded.heads
+        choices = [tuple(c) for c in side["tree_choices"]] if side.get("tree_choices") else \
+            chain_choices(heads.num_heads)
+        return target.model.to(dtype), target.tokenizer, MedusaProposer(heads.to(dtype), choices)
+    target = load_target(target_path, dtype)
+    if side["method"] == "eagle":
+        drafter, meta = loaded
+        return target.model, target.tokenizer, EagleProposer(drafter.to(dtype), target.embed, target.lm_head,
+                                                             meta["aux_layers"], gamma=gamma or 5)
+    return target.model, target.tokenizer, DraftModel(loaded.to(dtype), target.config.vocab_size,
+                                                      gamma or side.get("gamma", 5))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(REFERENCE_TARGET), help="Hugging Face causal LM directory or a named target")
-    parser.add_argument("--drafter", required=True, help="checkpoint dir, ngram, lookahead or draft:DIR")
+    parser.add_argument("--target", help="Hugging Face causal LM directory or a named target (default: the one the drafter records)")
+    parser.add_argument("--drafter", required=True, help="checkpoint dir, export dir, ngram, lookahead or draft:DIR")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="JSONL of messages or prompt rows")
-    parser.add_argument("--num-prompts", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     parser.add_argument("--rule", default="auto", choices=["auto", "greedy", "exact", "typical"])
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--gamma", type=int, default=5, help="draft tokens per step of a draft model")
+    parser.add_argument("--gamma", type=int, help="draft tokens per step (default: the drafter's own, else 5)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", help="write a PNG of acceptance by position and the tau histogram")
     parser.add_argument("--out", required=True, help="results JSON")
     args = parser.parse_args(argv)
-    args.target = resolve_target(args.target)
-    if not (Path(args.target) / "config.json").is_file():
-        raise SystemExit(f"--target {args.target}: no config.json there; pass a Hugging Face model directory")
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).to(args.device)
-    extra = {"gamma": args.gamma} if args.drafter.startswith("draft:") else {}
-    proposer = load_proposer(args.drafter, target, tokenizer, **extra)
+    args.target = resolve_target(args.target or recorded_target(args.drafter))
+    check_target(args.target, "--target")
+    dtype = getattr(torch, args.dtype)
+    extra = {"gamma": args.gamma} if args.gamma and args.drafter.startswith("draft:") else {}
+    if (Path(args.drafter) / EXPORT_FILE).is_file():
+        target, tokenizer, proposer = export_proposer(Path(args.drafter), args.target, args.gamma, dtype)
+        target = target.to(args.device)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device)
+        proposer = load_proposer(args.drafter, target, tokenizer, **extra)
     prompts = render_prompts(tokenizer, load_prompts(Path(args.prompts), limit=args.num_prompts))
     results = evaluate(target, proposer, prompts, args.max_new_tokens, tuple(args.temperatures), args.rule,
                        seed=args.seed, top_k=args.top_k, top_p=args.top_p)
@@ -99,4 +146,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -17,7 +17,13 @@ MODE=gpu
 [[ "${1:-}" == "--smoke" ]] && MODE=smoke
 OUT=${GPU_CHECK_OUT:-benchmarks/gpu.json}
 [[ "$MODE" == smoke ]] && OUT=${GPU_CHECK_OUT:-runs/gpu-check-smoke/gpu.json}
-[[ -n "${VIRTUAL_ENV:-}" ]] || source .venv/bin/activate
+# whatever environment is active (a venv, conda, a system install) if it has draftsmith; else the repository's .venv
+if ! python -c "import draftsmith" 2>/dev/null; then
+  [[ -z "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" && -x .venv/bin/python ]] || {
+    echo "gpu_check: the active python ($(command -v python)) cannot import draftsmith; pip install -e . into it," \
+         "or run bash scripts/test.sh once to create .venv" >&2; exit 1; }
+  source .venv/bin/activate
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 MODE=$MODE OUT=$OUT python - <<'EOF'
 import gc

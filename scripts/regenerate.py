@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.data.chat import to_messages
 from draftsmith.data.dataset import DataConfig, load_raw
 from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import DiskFull, check_free, cli, is_disk_full
 
 log = logging.getLogger("draftsmith.regenerate")
 
@@ -99,6 +100,13 @@ def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature:
     return [{**row, "messages": conv} for row, conv in zip(batch, convs, strict=True)]
 
 
+def output_bytes(rows: list[dict[str, Any]], max_new_tokens: int, bytes_per_token: int = 16) -> int:
+    """An upper estimate of the JSONL the rows become: each row as read, plus max_new_tokens per assistant reply."""
+    replies = [sum(m["role"] == "assistant" for m in r["messages"][:-1]) + 1 for r in rows]
+    return sum(len(json.dumps(r, ensure_ascii=False).encode()) + n * max_new_tokens * bytes_per_token
+               for r, n in zip(rows, replies, strict=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target (with its tokenizer) or a named target")
@@ -132,16 +140,24 @@ def main(argv: list[str] | None = None) -> None:
     done = read_done(out)
     rows = [r for r in conversations(args.data, args.split, args.limit) if str(r["id"]) not in done]
     log.info("regenerate: %d conversations to do, %d already in %s", len(rows), len(done), out)
+    check_free(out.parent, output_bytes(rows, args.max_new_tokens), f"{out} ({len(rows)} conversations)",
+               "free space or write --out elsewhere; rows already written are kept and skipped when rerun")
     t0 = time.perf_counter()
     with open(out, "a") as fh:
         for b in range(0, len(rows), args.batch_size):
-            for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], args.temperature,
-                                        args.max_new_tokens):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
+            try:
+                for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], args.temperature,
+                                            args.max_new_tokens):
+                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                fh.flush()
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                raise DiskFull(f"the disk filled up writing {out} after {b} of {len(rows)} conversations; free "
+                               "space and rerun the same command (the complete rows are kept)") from e
             log.info("regenerate: %d/%d conversations, %.1fs", min(b + args.batch_size, len(rows)), len(rows),
                      time.perf_counter() - t0)
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -45,6 +45,10 @@ class LoopConfig:
     best_metric: str = ""  # key of an evaluation metric; empty: no best checkpoint
     best_mode: Literal["max", "min"] = "max"
     early_stop_patience: int = 0  # evaluations without a new best before stopping; 0: never
+    # stop (keeping the last good checkpoint) when a step's loss exceeds divergence_factor x the median loss of the
+    # last divergence_window steps (those since the start or resume, at first); 0: stop only on a NaN or infinite loss
+    divergence_factor: float = 10.0
+    divergence_window: int = 20
     resume: Literal["auto", "never"] = "auto"
     log_every: int = 10
     tracker: Literal["none", "wandb", "tensorboard", "trackio"] = "none"
@@ -61,6 +65,25 @@ class LoopConfig:
         _check(self.save_every > 0, "loop.save_every", "must be > 0")
         _check(self.keep_last >= 1, "loop.keep_last", "must be >= 1")
         _check(self.grad_clip >= 0, "loop.grad_clip", "must be >= 0 (0 disables clipping)")
+        _check(self.divergence_factor == 0 or self.divergence_factor > 1, "loop.divergence_factor",
+               "must be > 1 (0: stop only on NaN/inf)")
+        _check(self.divergence_window >= 2, "loop.divergence_window", "must be >= 2")
+
+
+def check_best_metric(cfg: LoopConfig, produced: list[str], off: str = "") -> None:
+    """Refuse, before anything loads, a loop.best_metric the recipe's checkpoint evaluation will not produce.
+    `produced`: the metric names it will log; `off`: why it produces none (e.g. decoding turned off)."""
+    key = cfg.best_metric
+    if not key or key in produced:
+        return
+    if not produced:
+        raise ConfigError(f"loop.best_metric={key!r}: {off or 'this recipe evaluates nothing at checkpoints'}; "
+                          "set loop.best_metric='' or turn the evaluation on")
+    close = difflib.get_close_matches(key, produced, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    why = f" ({off})" if off else ""
+    raise ConfigError(f"loop.best_metric={key!r} is not a metric this recipe's evaluation produces{why}; {hint}"
+                      f"choose one of {sorted(produced)}")
 
 
 def _check(ok: bool, key: str, why: str) -> None:

@@ -22,10 +22,11 @@ import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
-from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.distill import Distill, DistillConfig, build_draft
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,6 +69,8 @@ def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
 
 def main(argv: list[str] | None = None) -> Loop:
     cfg = C.from_command_line(Recipe, REPO / "recipes/distill/tiny-code.yaml", argv, __doc__)
+    names = decode_metric_names(tuple(cfg.eval.temperatures), cfg.distill.gamma) + ["eval_seconds"]
+    C.check_best_metric(cfg.loop, names if cfg.eval.num_prompts else [], "eval.num_prompts=0 turns decoding off, so tau is not measured")
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
@@ -89,4 +92,4 @@ def main(argv: list[str] | None = None) -> Loop:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

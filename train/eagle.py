@@ -23,10 +23,11 @@ import torch
 from draftsmith.data.dataset import DataConfig, build_dataset, cache_key, heldout_rows
 from draftsmith.data.hidden_cache import HiddenCache, collate_features
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
-from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.eagle import Eagle, EagleConfig, aux_layers, draft_vocab
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,9 +97,19 @@ def offline_rows(cfg: Recipe, target) -> HiddenCache:
     return cache
 
 
+def metric_names(cfg: Recipe) -> list[str]:
+    """The metrics the checkpoint evaluation logs under this recipe (loop.best_metric must be one)."""
+    e = cfg.eval
+    names = [f"heldout_{m}_{k}" for k in range(e.gamma) for m in ("loss", "acc", "cond_acc")] + ["expected_tau"]
+    if e.num_prompts:
+        names += decode_metric_names((0.0,), e.gamma if e.mode == "chain" else e.depth)
+    return names + ["eval_seconds"]
+
+
 def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/eagle/tiny-code.yaml",
          doc: str = __doc__) -> Loop:
     cfg = C.from_command_line(Recipe, default_recipe, argv, doc)
+    C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
@@ -133,4 +144,4 @@ def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/e
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

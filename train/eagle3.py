@@ -12,6 +12,7 @@ from pathlib import Path
 
 from draftsmith.train.eagle import Recipe
 from draftsmith.train.eagle import main as eagle_main
+from draftsmith.train.guard import cli
 
 __all__ = ["Recipe", "main"]  # the EAGLE recipe schema, shared with train/eagle.py
 
@@ -23,4 +24,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

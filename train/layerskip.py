@@ -24,6 +24,7 @@ from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,6 +84,15 @@ def evaluate_checkpoint(method: LayerSkip, heldout: list[dict], prompts: list[to
     return metrics
 
 
+def metric_names(cfg: Recipe, L: int) -> list[str]:
+    """The metrics `evaluate_checkpoint` logs for an L-layer target under this recipe."""
+    exits = range(1, L) if cfg.layerskip.e_scale > 0 else ()
+    names = ["heldout_loss_final", *[f"heldout_{m}_exit{l}" for l in exits for m in ("loss", "agree")]]
+    if cfg.eval.num_prompts:
+        names += [f"{m}_exit{E}" for E in cfg.eval.exit_layers for m in ("tau", "speedup")]
+    return names + ["eval_seconds"]
+
+
 def main(argv: list[str] | None = None) -> Loop:
     cfg = C.from_command_line(Recipe, REPO / "recipes/layerskip/tiny-code.yaml", argv, __doc__)
 
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> Loop:
     bad = [E for E in cfg.eval.exit_layers if not 1 <= E < L]
     if bad:
         raise C.ConfigError(f"eval.exit_layers: {bad} out of range for a {L}-layer target; use 1..{L - 1}")
+    C.check_best_metric(cfg.loop, metric_names(cfg, L), "")
     train = build_dataset(cfg.data, target.tokenizer)
     heldout = heldout_rows(cfg.data, target.tokenizer, cfg.eval.heldout_examples, cfg.eval.heldout_path)
     prompts = render_prompts(target.tokenizer, load_prompts(Path(cfg.eval.prompts), cfg.eval.num_prompts or None)
@@ -126,4 +137,4 @@ def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float]) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

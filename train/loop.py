@@ -21,16 +21,21 @@ size that wrote it. Otherwise the whole optimizer state is written by parameter 
 resume under any world size and under one another.
 
 Run directory layout:
-    config.yaml, command.txt, metrics.jsonl
+    config.yaml, command.txt, metrics.jsonl (config and command written once the resume decision is made)
+    run.lock            pid and host of the trainer using the directory (train/guard.py)
     checkpoint-<step>/  trainable.safetensors, optimizer.pt (keyed by parameter name), scheduler.pt, rng.safetensors,
-                        state.json, model/ (method.save_pretrained);
-                        under DeepSpeed deepspeed/ (every rank's ZeRO shards) instead of
-                        optimizer.pt and scheduler.pt
+                        state.json, config.yaml, model/ (method.save_pretrained), and manifest.json (sizes and
+                        checksums of the rest, written last); under DeepSpeed deepspeed/ (every rank's ZeRO
+                        shards) instead of optimizer.pt and scheduler.pt
     best/               a copy of the best checkpoint's model/ plus best.json
+
+Resume takes the newest checkpoint whose manifest verifies (a corrupt one is skipped with a warning) and
+refuses one whose trainable tensors do not fit the method, naming the config keys that differ.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -38,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -63,13 +69,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from draftsmith.train.config import LoopConfig
+from draftsmith.train import guard
+from draftsmith.train.config import ConfigError, LoopConfig
 
 Evaluate = Callable[[nn.Module, int], dict]
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or inf."""
+    """The loss became NaN or inf, or exploded relative to its recent history."""
+
 
 
 @dataclass
@@ -177,9 +185,31 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (a half-written one ends in .tmp and is ignored)."""
-    found = [p for p in run_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    """Checkpoint directories of a run, oldest first (a half-written one ends in .tmp and is ignored)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def newest_verified(run_dir: Path, warn: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint whose manifest verifies; each newer one that does not is skipped with a warning."""
+    for ckpt in reversed(checkpoints(run_dir)):
+        why = guard.verify(ckpt)
+        if not why:
+            return ckpt
+        warn(f"warning: skipping {ckpt}: {why}; resuming from an older checkpoint if one verifies")
+    return None
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested configs, as 'key: old -> new'."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
 
 
 def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
@@ -207,6 +237,8 @@ class Loop:
                  run_config: dict | None = None, collate_fn=collate):
         self.cfg, self.dataset, self.evaluate, self.collate = cfg, dataset, evaluate, collate_fn
         self.run_dir = Path(cfg.output_dir)
+        self.run_config = run_config or {}
+        self.lock = guard.RunLock(self.run_dir)
         tracker = None if cfg.tracker == "none" else cfg.tracker
         if tracker and importlib.util.find_spec(tracker) is None:
             raise ValueError(f"loop.tracker={tracker} needs the {tracker} package: pip install {tracker}, "
@@ -218,6 +250,18 @@ class Loop:
                                        project_dir=str(self.run_dir), gradient_accumulation_steps=cfg.grad_accum,
                                        step_scheduler_with_optimizer=False,
                                        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
+        if self.accelerator.is_main_process:  # a second trainer on this directory refuses here, before it writes
+            self.lock.acquire()
+            atexit.register(self.lock.release)
+        try:
+            self._start(method, tracker)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, method: nn.Module, tracker: str | None) -> None:
+        """Prepare the method and optimizer, resume if a checkpoint verifies, then record the run's config."""
+        cfg = self.cfg
         self._check_launch(method)
         if self.sharded and getattr(method, "sharded_refusal", ""):
             raise ValueError(method.sharded_refusal)
@@ -234,14 +278,21 @@ class Loop:
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
         self.state = LoopState(world_size=self.accelerator.num_processes)
         self.saved_step = -1  # step of the last checkpoint written or loaded
-        if self.accelerator.is_main_process:
+        self.losses: list[float] = []  # recent step losses, for the divergence stop
+        if cfg.resume == "auto":
+            found = newest_verified(self.run_dir, self.accelerator.print) if self.accelerator.is_main_process else None
+            found = broadcast_object_list([found])[0]
+            if found is None and checkpoints(self.run_dir):
+                raise ValueError(f"no checkpoint in {self.run_dir} verifies (see the warnings above); set "
+                                 "loop.resume=never with a new loop.output_dir to start afresh")
+            if found is not None:
+                self.load(found)
+        if self.accelerator.is_main_process:  # only now that the resume is decided
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(run_config or {}, sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
             (self.run_dir / "command.txt").write_text(" ".join(["python", *sys.argv]) + "\n")
         if tracker:
-            self.accelerator.init_trackers(cfg.project, config=_flat(run_config or {}))
-        if cfg.resume == "auto" and checkpoints(self.run_dir):
-            self.load(checkpoints(self.run_dir)[-1])
+            self.accelerator.init_trackers(cfg.project, config=_flat(self.run_config))
 
     def _check_launch(self, method: nn.Module) -> None:
         """Refuse launches this loop cannot serve; fill DeepSpeed's "auto" batch and clipping from the recipe, and
@@ -326,19 +377,29 @@ class Loop:
         tmp = final.with_name(final.name + ".tmp")
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
+            guard.check_free(self.run_dir, self._checkpoint_bytes(), f"{final.name}",
+                             f"free space there or move the run (loop.output_dir); {self._last_good()} is intact")
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        optimizer = None
-        if self.deepspeed:
-            acc.save_state(str(tmp / "deepspeed"), exclude_frozen_parameters=True)
-        else:  # whole and keyed by parameter name; a collective under FSDP2
-            optimizer = get_optimizer_state_dict(self.method, self.optimizer.optimizer,
-                                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        with self._whole_trainable():
-            if acc.is_main_process:
-                self._write(tmp, metrics, optimizer)
+        try:
+            optimizer = None
+            if self.deepspeed:
+                acc.save_state(str(tmp / "deepspeed"), exclude_frozen_parameters=True)
+            else:  # whole and keyed by parameter name; a collective under FSDP2
+                optimizer = get_optimizer_state_dict(self.method, self.optimizer.optimizer,
+                                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            with self._whole_trainable():
+                if acc.is_main_process:
+                    self._write(tmp, metrics, optimizer)
+        except (OSError, RuntimeError) as e:
+            if not guard.is_disk_full(e):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise guard.DiskFull(f"the disk filled up while writing {final.name} ({guard.one_line(e)}); nothing of "
+                                 f"it was kept, {self._last_good()} is intact; free space and run again") from e
         acc.wait_for_everyone()
         if acc.is_main_process:
+            guard.write_manifest(tmp)  # last: a checkpoint without a verifying manifest is never resumed from
             _replace(tmp, final)
             if is_best and (final / "model").exists():
                 _atomic_dir(self.run_dir / "best", lambda d: (
@@ -363,15 +424,30 @@ class Loop:
         extra = model.extra_state() if hasattr(model, "extra_state") else None
         (d / "state.json").write_text(json.dumps({**self.state.__dict__, "backend": self.backend, "rng": meta,
                                                   "metrics": metrics, "method": extra}))
+        (d / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(d / "model")
+
+    def _checkpoint_bytes(self) -> int:
+        """Bytes the next checkpoint needs: the last one's size, else the trainable weights, AdamW's two fp32
+        moments and the method's artefact (counted as the weights again)."""
+        last = checkpoints(self.run_dir)
+        if last and guard.manifest_bytes(last[-1]):
+            return guard.manifest_bytes(last[-1])
+        n = [(p.numel(), p.element_size()) for p in self.method.parameters() if p.requires_grad]
+        return sum(k * (2 * size + 8) for k, size in n)
+
+    def _last_good(self) -> str:
+        last = [c for c in checkpoints(self.run_dir) if not guard.verify(c)]
+        return f"the last good checkpoint {last[-1]}" if last else "no earlier checkpoint"
 
     def _update_best(self, metrics: dict) -> bool:
         key = self.cfg.best_metric
         if not key:
             return False
         if key not in metrics:
-            raise KeyError(f"loop.best_metric={key!r} is not among the evaluation metrics {sorted(metrics)}")
+            raise ConfigError(f"loop.best_metric={key!r} is not among the evaluation metrics {sorted(metrics)}; "
+                              "choose one of them")
         value, best = float(metrics[key]), self.state.best_value
         better = best is None or (value > best if self.cfg.best_mode == "max" else value < best)
         if better:
@@ -396,11 +472,7 @@ class Loop:
             acc.load_state(str(ckpt / "deepspeed"), load_module_strict=False)
         else:
             weights = load_file(ckpt / "trainable.safetensors")
-            expected = {n for n, p in model.named_parameters() if p.requires_grad}
-            if set(weights) != expected:
-                raise ValueError(f"{ckpt} does not match this method's trainable parameters "
-                                 f"(missing {sorted(expected - set(weights))[:3]}, extra {sorted(set(weights) - expected)[:3]}); "
-                                 "resume with the same recipe or set loop.resume=never with a new loop.output_dir")
+            self._check_fits(ckpt, {n: tuple(t.shape) for n, t in weights.items()})
             # whole state dicts by parameter name, sharded here as this launch shards (FSDP2) or copied (DDP)
             options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=False)
             set_model_state_dict(self.method, weights, options=options)
@@ -425,6 +497,19 @@ class Loop:
                   + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else "")
                   + (f" (written under {written}, resumed under {self.backend})" if written != self.backend else ""))
 
+    def _check_fits(self, ckpt: Path, shapes: dict[str, tuple]) -> None:
+        """Refuse a checkpoint whose trainable tensors (names, shapes) differ from this method's, naming the config
+        keys (outside loop and eval) that changed since it was written."""
+        mine = {n: tuple(p.shape) for n, p in self.unwrapped.named_parameters() if p.requires_grad}
+        if mine == shapes:
+            return
+        old = yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else {}
+        changed = [c for c in config_changes(old, self.run_config) if not c.startswith(("loop.", "eval."))]
+        diff = sorted(set(mine) ^ set(shapes)) or sorted(n for n in mine if mine[n] != shapes[n])
+        why = f"changed keys: {'; '.join(changed)}" if changed else f"tensors differ: {diff[:3]}"
+        raise ConfigError(f"cannot resume {ckpt}: it was trained with another model shape ({why}); restore those "
+                          "values to resume, or train afresh in a new loop.output_dir (or loop.resume=never)")
+
     # ---- the loop ----------------------------------------------------------------------------------
 
     def micro_batches(self):
@@ -440,13 +525,23 @@ class Loop:
             epoch, start = epoch + 1, 0
 
     def run(self) -> LoopState:
+        """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;
+        the lock on the run directory is released however it ends."""
+        self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, dynamic_ncols=True, leave=False,
+                        disable=not self.accelerator.is_main_process)
+        try:
+            with guard.StopSignals() as signals:
+                return self._run(signals)
+        finally:
+            self.bar.close()
+            self.lock.release()
+
+    def _run(self, signals: guard.StopSignals) -> LoopState:
         cfg, acc = self.cfg, self.accelerator
         stream = self.micro_batches()
         window: dict[str, list[float]] = {}
         tokens, t0 = 0, time.perf_counter()
         self.method.train()
-        self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, disable=not acc.is_main_process,
-                        dynamic_ncols=True, leave=False)
         while self.state.step < cfg.max_steps:
             t_step = time.perf_counter()
             metrics_step: dict[str, float] = {}
@@ -465,12 +560,7 @@ class Loop:
                 tokens += batch["input_ids"].numel() * acc.num_processes
                 self.state.epoch, self.state.micro_batch = (epoch + 1, 0) if last_in_epoch else (epoch, j + 1)
             loss = acc.reduce(torch.stack(losses).mean(), "mean")
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                last = checkpoints(self.run_dir)
-                raise TrainingDiverged(f"loss is {loss.item()} at step {self.state.step + 1}; "
-                                       f"last good checkpoint: {last[-1] if last else 'none'}. "
-                                       "Lower loop.lr, raise loop.warmup_ratio or set loop.grad_clip")
+            self._check_divergence(loss.item())
             if cfg.grad_clip > 0:
                 metrics_step["grad_norm"] = float(acc.clip_grad_norm_(self.method.parameters(), cfg.grad_clip))
             self.optimizer.step()
@@ -494,6 +584,13 @@ class Loop:
                 window, tokens, t0 = {}, 0, time.perf_counter()
             if cfg.max_minutes and self.spent_seconds >= 60 * cfg.max_minutes:
                 return self._finish(f"loop.max_minutes={cfg.max_minutes} of training time spent")
+            if self._signalled(signals):
+                name = signal.Signals(signals.received).name
+                if self.saved_step != self.state.step:
+                    self.save({})
+                raise guard.Stopped(f"stopped by {name} at step {self.state.step}; checkpoint-{self.state.step} is saved in "
+                              f"{self.run_dir}; resume by running the same command again (loop.resume=auto)",
+                              128 + signals.received)
             if self.state.step % cfg.save_every == 0 or self.state.step == cfg.max_steps:
                 stop = self.checkpoint()
                 if stop:
@@ -501,6 +598,31 @@ class Loop:
                                         f"{cfg.early_stop_patience} evaluations")
                 t0 = time.perf_counter()
         return self._finish("max_steps reached")
+
+    def _check_divergence(self, loss: float) -> None:
+        """Stop on a NaN/inf loss, or one above loop.divergence_factor x the median loss of the last
+        loop.divergence_window steps (as many as there are since the start or resume; a loss that stopped the run
+        never joins them), before the optimizer steps on it."""
+        cfg, recent = self.cfg, self.losses[-self.cfg.divergence_window:]
+        median = float(np.median(recent)) if recent else 0.0
+        exploded = cfg.divergence_factor and median > 0 and loss > cfg.divergence_factor * median
+        if math.isfinite(loss) and not exploded:
+            self.losses = recent + [loss]
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        why = f"{loss:.4g} > {cfg.divergence_factor:g} x the median {median:.4g} of the last {len(recent)} " \
+              "steps" if math.isfinite(loss) else f"{loss}"
+        raise TrainingDiverged(f"training diverged at step {self.state.step + 1}: loss {why}; {self._last_good()} "
+                               "is kept. Lower loop.lr, raise loop.warmup_ratio or set loop.grad_clip (or tune "
+                               "loop.divergence_factor, 0 to stop only on NaN/inf), then resume")
+
+    def _signalled(self, signals: guard.StopSignals) -> bool:
+        """Whether any rank received SIGINT/SIGTERM (all ranks agree, so they checkpoint together)."""
+        if self.accelerator.num_processes == 1:
+            return bool(signals.received)
+        flag = torch.tensor([float(signals.received)], device=self.accelerator.device)
+        signals.received = int(self.accelerator.reduce(flag, "max").item())
+        return bool(signals.received)
 
     def _slowest_rank_seconds(self) -> float:
         """Training seconds of the slowest rank, so that every rank stops at the same step."""

@@ -20,7 +20,7 @@ import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
-from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,
@@ -32,6 +32,7 @@ from draftsmith.models.medusa import (
 )
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,8 +113,18 @@ def evaluate_checkpoint(method: Medusa, heldout: list[dict], decode, cfg: EvalCo
     return metrics
 
 
+def metric_names(cfg: Recipe) -> list[str]:
+    """The metrics `evaluate_checkpoint` logs under this recipe (loop.best_metric must be one)."""
+    K, topk = cfg.medusa.num_heads, cfg.eval.topk
+    names = [f"head{k}_{m}" for k in range(1, K + 1) for m in ("loss", "top1", *([f"top{topk}"] if topk > 1 else []))]
+    if cfg.eval.num_prompts:
+        names += decode_metric_names((0.0,), K) + (["expected_tau"] if cfg.eval.tree == "tree" else [])
+    return names + ["eval_seconds"]
+
+
 def main(argv: list[str] | None = None) -> Loop:
     cfg = C.from_command_line(Recipe, REPO / "recipes/medusa/medusa1-tiny-code.yaml", argv, __doc__)
+    C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
@@ -136,4 +147,4 @@ def main(argv: list[str] | None = None) -> Loop:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

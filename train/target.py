@@ -24,7 +24,9 @@ from draftsmith.data.packing import pack
 from draftsmith.data.reference import chat_examples, corpus_fingerprint, stdlib_files, write_heldout_prompts
 from draftsmith.data.tokenizer import END, train_bpe
 from draftsmith.models.lm import CausalLM, masked_ce
+from draftsmith.models.target import check_target
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,6 +197,9 @@ Reproduce: `{command}`
 
 def main(argv: list[str] | None = None) -> dict | None:
     cfg = C.from_command_line(Recipe, REPO / "recipes/target/tiny-code.yaml", argv, __doc__)
+    C.check_best_metric(cfg.loop, ["heldout_loss", "heldout_raw_loss", "heldout_chat_loss", "eval_seconds"])
+    if cfg.init_from:
+        check_target(cfg.init_from, "init_from")
 
     tokenizer, files, train, heldout = build_data(cfg)
     torch.manual_seed(cfg.loop.seed)
@@ -217,4 +222,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,0 +1,410 @@
+"""Try bad inputs and faults as a new user would, and record what each one did.
+
+    python scripts/bench_reliability.py [--out benchmarks/reliability.json] [--only NAME ...]
+
+Every case runs the real command lines (train/*.py, scripts/*.py, scripts/main.sh) in a subprocess on the
+committed reference target, with tiny overrides so that training cases take seconds. Per case it records
+what was tried, the exit status, the message the user saw (the last line of the output), whether a
+Python traceback was shown, what was left on disk (the run directory, each checkpoint and whether its
+manifest verifies), and whether all of that matched what the case expects (`ok`). Free space cannot be
+filled safely on a shared machine, so the two disk cases shrink the free space `shutil.disk_usage`
+reports inside the command's own process (`simulated`: true).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.models.target import REFERENCE_TARGET
+from draftsmith.train import guard
+from draftsmith.train.loop import checkpoints
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "runs" / "bench-reliability"
+PY = sys.executable
+TINY = ["loop.max_steps=2", "loop.batch_size=2", "data.limit=16", "data.pack=false", "eval.num_prompts=1",
+        "eval.max_new_tokens=8", "eval.heldout_examples=4", "loop.save_every=1", "loop.keep_last=2", "loop.log_every=1"]
+LONG = [*TINY, "loop.max_steps=400", "loop.save_every=200", "eval.num_prompts=0", "loop.best_metric="]
+# runs the command with shutil.disk_usage reporting 1 MiB free from the first checkpoint / the export on
+LOW_DISK = ("import runpy, shutil, sys; real = shutil.disk_usage; "
+            "shutil.disk_usage = lambda p: real(p)._replace(free=1 << 20); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # config, target, data, divergence, corrupt checkpoint, refused resume, lock, signal, disk, export ...
+    tried: str  # in words, what a user did
+    run: Callable[[Path], dict]  # work dir -> {"argv", "rc", "output", extra}
+    expect_message: str = ""  # regex the message must match
+    expect_rc: int | None = 1
+    expect_disk: Callable[[Path], bool] = lambda d: True
+    simulated: bool = False
+    notes: dict = field(default_factory=dict)
+
+
+def medusa(*overrides: str, script: str = "train/medusa.py", launcher: list[str] | None = None,
+           pre: list[str] | None = None) -> list[str]:
+    return [*(launcher or [PY]), *(pre or []), script, *overrides]
+
+
+def command(argv: list[str], wait: bool = True, group: bool = False) -> dict | subprocess.Popen:
+    """Run argv from the repository (hub offline, no debug switch): its record, or the process when not waiting
+    (in a process group of its own with `group`, as a terminal would start it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop(guard.DEBUG, None)
+    if not wait:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=group)
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return {"argv": argv, "rc": p.returncode, "output": p.stdout + p.stderr}
+
+
+def finish(p: subprocess.Popen, argv: list[str]) -> dict:
+    out, _ = p.communicate(timeout=900)
+    return {"argv": argv, "rc": p.returncode, "output": out}
+
+
+def wait_for(path: Path, seconds: float = 600) -> None:
+    end = time.time() + seconds
+    while not path.exists():
+        if time.time() > end:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.5)
+
+
+def message(output: str) -> str:
+    """What the user reads last: the error or stop line, else the last line that is not a progress bar."""
+    lines = [line.strip() for line in re.split(r"[\r\n]", output) if line.strip()]
+    lines = [line for line in lines if "it/s]" not in line and "s/it]" not in line and "%|" not in line]
+    for line in reversed(lines):
+        if re.search(r"(^|: )error: |stopped by |^export: |^usage: ", line):
+            return line
+    return lines[-1] if lines else ""
+
+
+def on_disk(d: Path) -> dict:
+    """The run directory as left: its entries, and each checkpoint with what its manifest says."""
+    if not d.exists():
+        return {"exists": False}
+    return {"exists": True, "entries": sorted(p.name for p in d.iterdir()),
+            "checkpoints": {c.name: guard.verify(c) or "verifies" for c in checkpoints(d)}}
+
+
+# ---- the set-ups --------------------------------------------------------------------------------------------
+
+def trained(d: Path, *extra: str) -> Path:
+    """A finished tiny Medusa run (2 steps, a checkpoint at each) to fault."""
+    r = command(medusa(f"loop.output_dir={d}", *TINY, *extra))
+    if r["rc"]:
+        raise RuntimeError(f"set-up run failed: {message(r['output'])}")
+    return d
+
+
+def file_case(content: str, key: str, suffix: str = ".jsonl") -> Callable[[Path], dict]:
+    def run(d: Path) -> dict:
+        f = d.parent / f"{d.name}{suffix}"
+        f.write_text(content)
+        return command(medusa(f"loop.output_dir={d}", *TINY, f"{key}={f}", "data.cache=false"))
+    return run
+
+
+def truncated_target(d: Path) -> dict:
+    t = d.parent / f"{d.name}-target"
+    shutil.copytree(REFERENCE_TARGET, t)
+    with open(t / "model.safetensors", "r+b") as fh:
+        fh.truncate(1_000_000)
+    return command(medusa(f"loop.output_dir={d}", *TINY, f"target.path={t}"))
+
+
+def weightless_target(d: Path) -> dict:
+    t = d.parent / f"{d.name}-target"
+    shutil.copytree(REFERENCE_TARGET, t, ignore=shutil.ignore_patterns("*.safetensors"))
+    return command(medusa(f"loop.output_dir={d}", *TINY, f"target.path={t}"))
+
+
+def empty_target(d: Path) -> dict:
+    (d.parent / f"{d.name}-target").mkdir()
+    return command(medusa(f"loop.output_dir={d}", *TINY, f"target.path={d.parent / f'{d.name}-target'}"))
+
+
+def diverging(d: Path) -> dict:
+    return command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=40", "loop.lr=1e6", "eval.num_prompts=0",
+                          "loop.best_metric="))
+
+
+def signalled(signum: int, accelerate: bool = False) -> Callable[[Path], dict]:
+    def run(d: Path) -> dict:
+        launcher = [PY, "-m", "accelerate.commands.launch", "--num_processes", "1"] if accelerate else None
+        argv = medusa(f"loop.output_dir={d}", *LONG, launcher=launcher)
+        p = command(argv, wait=False, group=accelerate)
+        wait_for(d / "metrics.jsonl")
+        if accelerate:  # Ctrl-C in a terminal signals the launcher and the trainer alike
+            os.killpg(p.pid, signum)
+        else:
+            p.send_signal(signum)
+        return finish(p, argv)
+    return run
+
+
+def corrupt_latest(d: Path) -> dict:
+    trained(d)
+    with open(d / "checkpoint-2" / "trainable.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    return command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=3"))
+
+
+def corrupt_all(d: Path) -> dict:
+    trained(d)
+    for c in checkpoints(d):
+        (c / "optimizer.pt").write_bytes(b"")
+    return command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=3"))
+
+
+def leftover_tmp(d: Path) -> dict:
+    trained(d)
+    shutil.copytree(d / "checkpoint-2", d / "checkpoint-3.tmp")
+    (d / "checkpoint-3.tmp" / "trainable.safetensors").write_bytes(b"half")
+    r = command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=3"))
+    e = command([PY, "scripts/export.py", str(d), "--format", "medusa", "--out", str(d / "export")])
+    return {**r, "output": r["output"] + e["output"], "rc": r["rc"] or e["rc"]}
+
+
+def changed_shape(*change: str) -> Callable[[Path], dict]:
+    def run(d: Path) -> dict:
+        script = "train/eagle.py" if any(c.startswith("eagle.") for c in change) else "train/medusa.py"
+        r = command(medusa(f"loop.output_dir={d}", *TINY, script=script))
+        if r["rc"]:
+            raise RuntimeError(message(r["output"]))
+        before = (d / "config.yaml").read_text(), (d / "command.txt").read_text()
+        r = command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=3", *change, script=script))
+        r["config_unchanged"] = before == ((d / "config.yaml").read_text(), (d / "command.txt").read_text())
+        return r
+    return run
+
+
+def second_trainer(d: Path) -> dict:
+    argv = medusa(f"loop.output_dir={d}", *LONG)
+    first = command(argv, wait=False)
+    wait_for(d / "metrics.jsonl")
+    r = command(argv)
+    first.send_signal(signal.SIGTERM)
+    finish(first, argv)
+    return r
+
+
+def killed_then_restarted(d: Path) -> dict:
+    argv = medusa(f"loop.output_dir={d}", *LONG)
+    p = command(argv, wait=False)
+    wait_for(d / "metrics.jsonl")
+    p.kill()  # kill -9: no handler runs, the lock stays behind
+    p.wait()
+    lock_left = (d / guard.LOCK).exists()
+    r = command(medusa(f"loop.output_dir={d}", *TINY, "loop.max_steps=1"))
+    return {**r, "lock_left_by_kill": lock_left}
+
+
+def low_disk_checkpoint(d: Path) -> dict:
+    return command(medusa(f"loop.output_dir={d}", *TINY, pre=["-c", LOW_DISK]))
+
+
+def low_disk_export(d: Path) -> dict:
+    trained(d)
+    return command([PY, "-c", LOW_DISK, "scripts/export.py", str(d), "--format", "hf", "--out", str(d / "export")])
+
+
+def export_case(script: str, fmt: str, *extra: str) -> Callable[[Path], dict]:
+    """Train a tiny run of `script` from the repository with its recipe's relative target.path, export it, and
+    evaluate the export with scripts/evaluate.py; the record keeps the export's target fields and both taus."""
+    def run(d: Path) -> dict:
+        r = command(medusa(f"loop.output_dir={d}", *TINY, *extra, script=script))
+        if r["rc"]:
+            return r
+        out = d / f"export-{fmt}"
+        e = command([PY, "scripts/export.py", str(d), "--format", fmt, "--out", str(out)])
+        if e["rc"]:
+            return e
+        best = json.loads((d / "best" / "best.json").read_text())
+        logged = best.get("tau", best.get("tau_exit2"))
+        v = command([PY, "scripts/evaluate.py", "--drafter", str(out), "--num-prompts", "1", "--max-new-tokens", "8",
+                     "--out", str(d / "evaluate.json")])
+        side = json.loads((out / "draftsmith_export.json").read_text())
+        measured = json.loads((d / "evaluate.json").read_text())["tau"] if not v["rc"] else None
+        return {**v, "export": {k: side.get(k) for k in ("method", "format", "target", "target_as_given")},
+                "tau_logged_at_checkpoint": logged, "tau_from_export": measured,
+                "assistant_early_exit": json.loads((out / "generation_config.json").read_text()).get(
+                    "assistant_early_exit") if (out / "generation_config.json").is_file() else None}
+    return run
+
+
+def main_sh(d: Path) -> dict:
+    r = command(["bash", "scripts/main.sh", f"loop.output_dir={d}", *TINY])
+    r["export_in_output_dir"] = (d / "export" / "medusa_lm_head.safetensors").is_file()
+    return r
+
+
+def exported(d: Path, *args: str) -> dict:
+    trained(d)
+    (d / "taken").mkdir()
+    (d / "taken" / "file").write_text("user data")
+    return command([PY, "scripts/export.py", str(d), *args])
+
+
+# ---- the cases -----------------------------------------------------------------------------------------------
+
+def cases() -> list[Case]:
+    def cfg(name, override, expect):
+        return Case(name, "config", f"override {override}",
+                    lambda d: command(medusa(f"loop.output_dir={d}", *TINY, override)), expect,
+                    expect_disk=lambda d: not d.exists())
+    ckpts = lambda *names: lambda d: list(on_disk(d).get("checkpoints", {})) == list(names)  # noqa: E731
+    return [
+        cfg("best_metric_typo", "loop.best_metric=tauu", r"loop.best_metric='tauu' is not a metric .*did you mean 'tau'"),
+        cfg("best_by_tau_without_decoding", "eval.num_prompts=0", r"eval.num_prompts=0 turns decoding off"),
+        cfg("dtype_typo", "target.dtype=float33", r"target.dtype: 'float33' is not one of"),
+        cfg("lr_not_a_number", "loop.lr=fast", r"loop.lr: expected float, got 'fast'"),
+        cfg("unknown_key", "loop.max_step=10", r"unknown config key 'loop.max_step'; did you mean 'loop.max_steps'"),
+        cfg("schedule_typo", "loop.schedule=cosin", r"loop.schedule: 'cosin' is not one of .*did you mean 'cosine'"),
+        cfg("override_without_value", "loop.lr", r"override 'loop.lr' must look like key=value"),
+        cfg("divergence_factor_below_one", "loop.divergence_factor=0.5", r"loop.divergence_factor: must be > 1"),
+        cfg("negative_steps", "loop.max_steps=-3", r"loop.max_steps: must be > 0"),
+        Case("recipe_missing", "config", "--config recipes/medusa/nope.yaml",
+             lambda d: command([PY, "train/medusa.py", "--config", "recipes/medusa/nope.yaml"]), r"recipe .* not found"),
+        Case("prompts_missing", "config", "eval.prompts=a file that does not exist",
+             lambda d: command(medusa(f"loop.output_dir={d}", *TINY, f"eval.prompts={d}-none.jsonl")),
+             r"prompts file .* not found"),
+        Case("prompts_bad_line", "config", "eval.prompts=a JSONL whose 2nd line has no prompt",
+             file_case('{"prompt": "def f():"}\n{"text": "x"}\n', "eval.prompts"),
+             r"\.jsonl:2: each row needs one of \['messages', 'prompt'\]"),
+        Case("target_missing", "target", "target.path=/no/such/model",
+             lambda d: command(medusa(f"loop.output_dir={d}", *TINY, "target.path=/no/such/model")),
+             r"target.path=/no/such/model does not exist"),
+        Case("target_truncated", "target", "target.path=a copy of the target with model.safetensors cut to 1 MB",
+             truncated_target, r"model.safetensors is truncated or damaged \(1000000 bytes, its header needs"),
+        Case("target_without_weights", "target", "target.path=a copy of the target without its weights",
+             weightless_target, r"holds no weights"),
+        Case("target_empty_dir", "target", "target.path=an empty directory", empty_target, r"has no config.json"),
+        Case("target_hub_offline", "target", "target.path=org/model (a hub id) with no hub reachable",
+             lambda d: command(medusa(f"loop.output_dir={d}", *TINY, "target.path=someone/no-such-model")),
+             r"target.path=someone/no-such-model \(a hub id .*\) does not load"),
+        Case("data_empty", "data", "data.path=an empty .jsonl", file_case("", "data.path"), r"is empty"),
+        Case("data_bad_json", "data", "data.path=a .jsonl whose 2nd line is not JSON",
+             file_case('{"text": "a"}\n{oops\n', "data.path"), r"\.jsonl:2: not valid JSON"),
+        Case("data_no_known_keys", "data", "data.path=rows with neither messages, conversations nor text",
+             file_case('{"question": "q", "answer": "a"}\n', "data.path"), r"\.jsonl:1: each row needs one of"),
+        Case("data_missing", "data", "data.path=./missing.jsonl",
+             lambda d: command(medusa(f"loop.output_dir={d}", *TINY, "data.path=./missing.jsonl")),
+             r"data.path ./missing.jsonl does not exist"),
+        Case("data_csv", "data", "data.path=a .csv file", file_case("a,b\n1,2\n", "data.path", ".csv"),
+             r"unsupported file type '.csv'"),
+        Case("data_no_assistant", "data", "data.path=chats without an assistant turn",
+             file_case('{"messages": [{"role": "user", "content": "hi"}]}\n', "data.path"),
+             r"have no assistant token to train on"),
+        Case("lr_1e6", "divergence", "loop.lr=1e6 (the loss explodes)", diverging,
+             r"training diverged at step \d+: loss .* > 10 x the median", expect_disk=ckpts("checkpoint-1")),
+        Case("sigint", "signal", "Ctrl-C (SIGINT) during training", signalled(signal.SIGINT),
+             r"stopped by SIGINT at step \d+; checkpoint-\d+ is saved", 130,
+             expect_disk=lambda d: len(checkpoints(d)) == 1 and not guard.verify(checkpoints(d)[0])),
+        Case("sigterm", "signal", "SIGTERM (a scheduler's stop) during training", signalled(signal.SIGTERM),
+             r"stopped by SIGTERM at step \d+", 143,
+             expect_disk=lambda d: len(checkpoints(d)) == 1 and not guard.verify(checkpoints(d)[0])),
+        Case("ctrl_c_under_accelerate", "signal", "Ctrl-C to `accelerate launch` (the whole process group)",
+             signalled(signal.SIGINT, accelerate=True), r"stopped by SIGINT at step \d+", None,
+             expect_disk=lambda d: len(checkpoints(d)) == 1 and not guard.verify(checkpoints(d)[0])),
+        Case("corrupt_latest", "corrupt checkpoint", "truncate the newest checkpoint's weights, run again",
+             corrupt_latest, r"done at step 3", 0, expect_disk=ckpts("checkpoint-2", "checkpoint-3")),
+        Case("corrupt_all", "corrupt checkpoint", "empty every checkpoint's optimizer.pt, run again", corrupt_all,
+             r"no checkpoint in .* verifies", expect_disk=ckpts("checkpoint-1", "checkpoint-2")),
+        Case("leftover_tmp", "corrupt checkpoint", "a half-written checkpoint-3.tmp left by a crash; resume, export",
+             leftover_tmp, r"exported .* as medusa", 0),
+        Case("resume_fewer_heads", "refused resume", "resume a 4-head Medusa run with medusa.num_heads=2",
+             changed_shape("medusa.num_heads=2"), r"changed keys: medusa.num_heads: 4 -> 2",
+             expect_disk=ckpts("checkpoint-1", "checkpoint-2")),
+        Case("resume_eagle_intermediate_size", "refused resume", "resume an EAGLE-1 run with eagle.intermediate_size=256",
+             changed_shape("eagle.intermediate_size=256"), r"changed keys: eagle.intermediate_size: .* -> 256",
+             expect_disk=ckpts("checkpoint-1", "checkpoint-2")),
+        Case("second_trainer", "lock", "start the same command while it is already training", second_trainer,
+             r"is in use by pid \d+ on .*; wait for it or stop it"),
+        Case("kill_9_then_restart", "lock", "kill -9 the trainer, then start it again", killed_then_restarted,
+             r"done at step 1", 0),
+        Case("low_disk_checkpoint", "disk", "train with 1 MiB free", low_disk_checkpoint,
+             r"not enough disk space for checkpoint-1: needs about", expect_disk=ckpts(), simulated=True),
+        Case("low_disk_export", "disk", "export with 1 MiB free", low_disk_export,
+             r"not enough disk space for the hf export", expect_disk=lambda d: not (d / "export").exists(),
+             simulated=True),
+        Case("export_over_user_files", "export", "export into a non-empty directory without --overwrite",
+             lambda d: exported(d, "--format", "medusa", "--out", str(d / "taken")), r"exists and is not empty",
+             expect_disk=lambda d: (d / "taken" / "file").read_text() == "user data"),
+        Case("export_unknown_format", "export", "export --format onnx", lambda d: exported(
+            d, "--format", "onnx", "--out", str(d / "x")), r"format 'onnx' is not available for medusa"),
+        Case("export_eagle3_reference", "export reference", "EAGLE-3 from the recipe (relative target.path), export "
+             "sglang, evaluate the export", export_case("train/eagle3.py", "sglang", "eagle.draft_vocab_size=512"),
+             r"^\s*0\s+\d", 0),
+        Case("export_medusa_evaluate", "export evaluation", "Medusa-1 export (original layout), evaluate the export",
+             export_case("train/medusa.py", "medusa"), r"^\s*0\s+\d", 0),
+        Case("export_layerskip", "export evaluation", "LayerSkip run, export hf, evaluate the export",
+             export_case("train/layerskip.py", "hf", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"),
+             r"^\s*0\s+\d", 0),
+        Case("main_sh_output_dir", "export", "bash scripts/main.sh loop.output_dir=X (tiny)", main_sh, r"exported .*", 0),
+    ]
+
+
+def judge(case: Case, r: dict, d: Path) -> bool:
+    ok = re.search(case.expect_message, r["message"]) is not None and case.expect_disk(d)
+    ok &= case.expect_rc is None or r["rc"] == case.expect_rc
+    if "tau_from_export" in r:
+        ok &= r["tau_from_export"] is not None and abs(r["tau_from_export"] - r["tau_logged_at_checkpoint"]) < 1e-9
+        ok &= r["export"]["method"] == "layerskip" or Path(r["export"]["target"]).is_absolute()
+    for key in ("config_unchanged", "export_in_output_dir", "lock_left_by_kill"):
+        ok &= r.get(key, True)
+    return bool(ok)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "reliability.json"))
+    parser.add_argument("--only", nargs="*", help="case names to run")
+    args = parser.parse_args(argv)
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    records, t0 = [], time.perf_counter()
+    for case in cases():
+        if args.only and case.name not in args.only:
+            continue
+        d, start = WORK / case.name, time.perf_counter()
+        r = case.run(d)
+        output = r.pop("output")
+        r.update(message=message(output), traceback_shown="Traceback" in output)
+        if case.name.startswith("export_") and "export" in r:  # the table of a successful evaluate.py run
+            r["message"] = next((line for line in output.splitlines() if re.match(r"^\s*0\s+\d", line)), r["message"])
+        record = {"name": case.name, "class": case.kind, "tried": case.tried,
+                  "command": " ".join(str(a) for a in r.pop("argv", [])).replace(str(REPO) + "/", ""),
+                  "exit_code": r.pop("rc"), **r, "left_on_disk": on_disk(d), "simulated": case.simulated,
+                  "seconds": round(time.perf_counter() - start, 1)}
+        record["ok"] = judge(case, {**record, "rc": record["exit_code"]}, d)
+        records.append(record)
+        print(f"{'ok  ' if record['ok'] else 'FAIL'} {case.name}: {record['message'][:160]}", flush=True)
+    summary = {"cases": len(records), "ok": sum(r["ok"] for r in records),
+               "one_line_errors": sum(not r["traceback_shown"] for r in records),
+               "classes": sorted({r["class"] for r in records}), "seconds": round(time.perf_counter() - t0, 1)}
+    result = {"summary": summary, "cases": records}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary))
+    return result
+
+
+if __name__ == "__main__":
+    main()

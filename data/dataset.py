@@ -17,6 +17,7 @@ chat template, the data and the config fields that change the output, and reused
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import logging
@@ -107,11 +108,12 @@ def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversati
                     ) -> int:
     """Parse a .json (array or JSON lines) or .jsonl file up front; raise one line naming the file and line of the
     first bad row (unparseable, not an object, or none of `keys`), or an empty file. Returns the row count."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    text = (gzip.decompress(raw) if path.suffix.lower() == ".gz" else raw).decode("utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"{what} {path} is empty; give a file with one JSON object per line (keys {list(keys)})")
     rows: list[tuple[int, Any]]
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+    if path.name.lower().endswith((".json", ".json.gz")) and text.lstrip().startswith("["):
         try:
             rows = [(0, r) for r in json.loads(text)]
         except json.JSONDecodeError as e:

@@ -56,7 +56,8 @@ def test_config_errors_are_one_line_before_anything_loads(tmp_path, override, ex
 
 def test_target_missing_or_truncated_is_named(tmp_path):
     missing = one_line_error(medusa_script.main, [f"loop.output_dir={tmp_path / 'run'}", "target.path=/no/such/model"])
-    assert "target.path=/no/such/model does not exist; give a Hugging Face model directory or a hub id" in missing
+    assert "target.path=/no/such/model does not exist; give a Hugging Face model directory, a hub id" in missing
+    assert "or a named target (smollm2-135m-instruct, gemma3-270m)" in missing
     broken = tmp_path / "target"
     shutil.copytree(REFERENCE_TARGET, broken)
     with open(broken / "model.safetensors", "r+b") as fh:

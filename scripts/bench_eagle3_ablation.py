@@ -54,6 +54,8 @@ VARIANTS = {
     "e3_frozen_ttt_ramp": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_ramp=0.5"]),
     "e3_frozen_tv": ("eagle3", ["eagle.head_init=frozen", "eagle.loss=tv"]),
     "e3_frozen_ttt3": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_steps=3"]),
+    "e3_default": ("eagle3", []),  # recipes/eagle3/tiny-code.yaml as shipped, set from the variants above
+    "eagle1_rep": ("eagle1", []),  # EAGLE-1 again, same seed: what contention alone changes
 }
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
 COMMON = ["loop.save_every=1000000", "eval.heldout_examples=16", "eval.num_prompts=2"]
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-minutes", type=float, default=3.5)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="none: only --memory")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "eagle3_ablation")
@@ -163,14 +166,17 @@ def main(argv: list[str] | None = None) -> dict:
         entry.update(run=str(run), **decode(run, target, prompts, args.max_new_tokens, baselines))
         entry["seconds"] = round(time.perf_counter() - start, 1)
         board["variants"][name] = entry
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(board, indent=1) + "\n")
+        save(board, args.out)
     if args.memory:
         board["memory"] = memory()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(board, indent=1) + "\n")
+    save(board, args.out)
     print(f"wrote {args.out}")
     return board
+
+
+def save(board: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(board, indent=1) + "\n")
 
 
 if __name__ == "__main__":

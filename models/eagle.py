@@ -6,10 +6,14 @@ and the proposer, and differ in what goes in and comes out:
 
     EAGLE-1:  x_t = fc([e(x_{t+1}); f_t])  -> layer (no input norm) -> f^_{t+1}; logits = target lm_head(f^)
               L = w_feat * SmoothL1(f^_{t+1}, f_{t+1}) + w_tok * CE(softmax(lm_head(f_{t+1})), lm_head(f^))
-    EAGLE-3:  g_t = fc([a_t; b_t; c_t])  (target hidden states of three layers, 3H -> H, no bias)
+    EAGLE-3:  g_t = fc([a_t; b_t; c_t])  (target hidden states of three layers, 3H -> H, no bias;
+              EAGLE 3.1's fc_norm: fc([n_a(a_t); n_b(b_t); n_c(c_t)]), one RMSNorm per layer)
               layer input [input_layernorm(e(x_{t+1})); hidden_norm(g_t)] (2H), residual g_t
-              -> h_{t+1}; logits = lm_head(norm(h)) over a pruned draft vocabulary
-              L = sum_k decay^k CE(softmax(target logits restricted to the draft vocab), draft logits)
+              -> h_{t+1}; logits = lm_head(norm(h)) over a pruned draft vocabulary; lm_head starts from the
+              target's head rows picked by t2d (frozen or trained; speculators), or random (SpecForge)
+              L = sum_k decay^k D(p_k, q_k), p_k = softmax(target logits restricted to the draft vocab),
+              D = forward KL (soft CE; EAGLE) or total variation (1 - TV(p, q) is the T=1 acceptance
+              probability, DistillSpec)
 
 f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
 indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
@@ -18,7 +22,14 @@ EAGLE repository's convention: the default (2, L//2, L-3) are the inputs to thos
 Training-time test (EAGLE-3; also available to EAGLE-1): step k = 0..K-1 feeds the layer its own
 step-(k-1) output in place of the target feature, with the ground-truth token x_{t+1+k}, at rope
 position pos_t + k; its queries see the step-0 keys causally and the keys of steps 1..k at the same
-position only (what the drafter's KV cache holds while drafting token k+1 at serving time).
+position only (what the drafter's KV cache holds while drafting token k+1 at serving time). K may
+grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
+
+Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
+their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk under
+activation checkpointing, so peak memory grows with the draft vocabulary, not the target's.
+
+The token embedding is the target's own module, frozen with the target (a copy would be identical).
 
 Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`), so exports are renames (models/eagle_export.py).
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
@@ -67,6 +80,11 @@ class EagleConfig:
     feature_weight: float = 1.0  # EAGLE-1 SmoothL1 weight
     token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
+    head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
+    ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
+    loss: Literal["kl", "tv"] = "kl"  # D per step: forward KL (soft CE) or total variation
+    logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
 
     def __post_init__(self):
         for ok, key, why in [
@@ -75,6 +93,11 @@ class EagleConfig:
             (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
             (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
             (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
+            (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
+            (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
+            (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
+            (self.loss in ("kl", "tv"), "loss", "must be kl (forward KL) or tv (total variation)"),
+            (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
             (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
             (self.version == 3 or self.feature_weight > 0 or self.token_weight > 0, "feature_weight",
              "EAGLE-1 needs a positive feature_weight or token_weight"),
@@ -110,7 +133,7 @@ def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> Llam
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
         hidden_act="silu", tie_word_embeddings=False)
-    config.draft_vocab_size, config.target_hidden_size = draft_vocab_size, H
+    config.draft_vocab_size, config.target_hidden_size, config.fc_norm = draft_vocab_size, H, cfg.fc_norm
     config._attn_implementation = "sdpa"
     return config
 
@@ -154,6 +177,8 @@ class EagleDrafter(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=True)
         else:
             self.fc = nn.Linear(n_features * H, H, bias=False)
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, config.rms_norm_eps) for _ in range(n_features)) \
+                if getattr(config, "fc_norm", False) else None
             self.norm = LlamaRMSNorm(H, config.rms_norm_eps)
             self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
         self.midlayer = MidLayer(config, version)
@@ -174,8 +199,11 @@ class EagleDrafter(nn.Module):
         position_ids [b, q]; mask [b, 1, q, keys] additive -> output hidden [b, q, H]."""
         if self.version == 1:
             h = self.fc(torch.cat([emb, h], -1))  # [b, q, H]
-        elif h.shape[-1] != self.config.hidden_size:
-            h = self.fc(h)  # fused target features [b, q, 3H] -> [b, q, H]
+        elif h.shape[-1] != self.config.hidden_size:  # fused target features [b, q, 3H] -> [b, q, H]
+            if self.fc_norm is not None:
+                h = torch.cat([norm(x) for norm, x in zip(self.fc_norm, h.chunk(len(self.fc_norm), -1), strict=True)],
+                              -1)
+            h = self.fc(h)
         rope = self.rotary(h, position_ids)
         return self.midlayer(emb, h, rope, mask.to(h.dtype), cache)
 
@@ -228,6 +256,11 @@ class Eagle(nn.Module):
         draft_ids = torch.arange(V) if draft_ids is None or cfg.version == 1 else draft_ids
         config = draft_config(target.config, cfg, draft_ids.numel())
         self.drafter = EagleDrafter(config, cfg.version, draft_ids, max(1, len(self.layers))).to(target.lm_head.weight)
+        if cfg.version == 3 and cfg.head_init != "random":  # the target's head rows of the draft vocabulary
+            with torch.no_grad():
+                self.drafter.lm_head.weight.copy_(target.lm_head.weight[self.drafter.draft_ids])  # [Vd, H]
+            self.drafter.lm_head.weight.requires_grad_(cfg.head_init == "trainable")
+        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
 
     # ---- features ----------------------------------------------------------------------------------
 
@@ -248,9 +281,47 @@ class Eagle(nn.Module):
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         return self.ttt(batch)
 
+    def ttt_length(self) -> int:
+        """Steps to unroll now: eagle.ttt_steps, or with eagle.ttt_ramp, 1 growing linearly to ttt_steps by that
+        fraction of the run."""
+        K, ramp = self.cfg.ttt_steps, self.cfg.ttt_ramp
+        return min(K, 1 + int(self.progress() / ramp * (K - 1))) if ramp else K
+
+    def chunks(self, *xs: torch.Tensor) -> zip:
+        """The tensors [b, s, ...] cut into eagle.logit_chunk positions along the sequence, chunk by chunk."""
+        n = self.cfg.logit_chunk or xs[0].shape[1]
+        return zip(*(x.split(n, 1) for x in xs), strict=True)
+
+    @torch.no_grad()
+    def teacher(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """f [b, s, H] -> (p [b, s, Vd] the target's softmax over the draft vocabulary, greedy [b, s] its argmax over
+        the whole vocabulary); full-vocabulary logits [b, chunk, V] exist for one chunk at a time."""
+        ps, greedy = [], []
+        for (x,) in self.chunks(f):
+            logits = self.target.logits(x.to(self.target.lm_head.weight.dtype)).float()  # [b, c, V]
+            greedy.append(logits.argmax(-1))
+            ps.append(F.softmax(logits[..., self.drafter.draft_ids] if self.cfg.version == 3 else logits, -1))
+        return torch.cat(ps, 1), torch.cat(greedy, 1)
+
+    def divergence(self, out: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [b, c, H], p [b, c, Vd] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids), q the drafter's
+        softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q| = 1 - sum min(p, q)."""
+        log_q = F.log_softmax(self.drafter.logits(out, self.target.lm_head).float(), -1)  # [b, c, Vd]
+        if self.cfg.loss == "tv":
+            return 0.5 * (p - log_q.exp()).abs().sum(-1), log_q.argmax(-1)
+        return -(p * log_q).sum(-1), log_q.argmax(-1)
+
+    def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`divergence` over chunks of positions, each recomputed in the backward (activation checkpointing), so
+        that draft logits [b, chunk, Vd] exist for one chunk at a time."""
+        recompute = self.cfg.logit_chunk and torch.is_grad_enabled()
+        parts = [checkpoint(self.divergence, o, q, use_reentrant=False) if recompute else self.divergence(o, q)
+                 for o, q in self.chunks(out, p)]
+        return torch.cat([d for d, _ in parts], 1), torch.cat([top for _, top in parts], 1)
+
     def ttt(self, batch: dict, steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """The training-time test unrolled `steps` times (default eagle.ttt_steps; evaluation may unroll further
-        than training did); returns the weighted loss and per-step metrics:
+        """The training-time test unrolled `steps` times (default: `ttt_length()` in training, eagle.ttt_steps in
+        evaluation, which may unroll further than training did); returns the weighted loss and per-step metrics:
         loss_k, acc_k (draft top-1 = target top-1) and cond_acc_k, the acceptance decoding sees: the
         same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens."""
         cfg, d = self.cfg, self.drafter
@@ -262,12 +333,8 @@ class Eagle(nn.Module):
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
+        target_p, greedy = self.teacher(f)  # [b, s, Vd], [b, s] the target's next token at each position
         with torch.no_grad():
-            target_logits = self.target.logits(f.to(self.target.lm_head.weight.dtype)).float()  # [b, s, V]
-            greedy = target_logits.argmax(-1)  # [b, s] the target's next token at each position
-            if cfg.version == 3:  # soft targets over the draft vocabulary only
-                target_logits = target_logits[..., d.draft_ids]  # [b, s, Vd]
-            target_p = F.softmax(target_logits, -1)  # [b, s, Vd]
             emb = self.target.embed(ids).float()  # [b, s, H]
         if self.training and cfg.feature_noise:
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
@@ -277,21 +344,20 @@ class Eagle(nn.Module):
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         metrics: dict[str, float] = {}
-        for k in range(steps or cfg.ttt_steps):
+        for k in range(steps or (self.ttt_length() if self.training else cfg.ttt_steps)):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
             mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
             out = d(shift(emb, j), h, pos + k, mask, cache)  # [b, s, H]
             valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
-            p, target_next = shift(target_p, j), shift(greedy, j)  # [b, s, Vd], [b, s]
-            log_q = F.log_softmax(d.logits(out, self.target.lm_head).float(), -1)  # [b, s, Vd]
-            ce = -(p * log_q).sum(-1)  # [b, s]
+            target_next = shift(greedy, j)  # [b, s]
+            div, top = self.chunked_divergence(out, shift(target_p, j))  # [b, s], [b, s]
             if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
-                step_loss = masked_mean(ce, valid & d.t2d[target_next])
+                step_loss = masked_mean(div, valid & d.t2d[target_next])
             else:
                 l1 = F.smooth_l1_loss(out, shift(f, j), reduction="none").mean(-1)  # [b, s]
-                step_loss = masked_mean(cfg.feature_weight * l1 + cfg.token_weight * ce, valid)
+                step_loss = masked_mean(cfg.feature_weight * l1 + cfg.token_weight * div, valid)
             total = total + cfg.decay ** k * step_loss
-            ok = d.draft_ids[log_q.argmax(-1)] == target_next  # [b, s]
+            ok = d.draft_ids[top] == target_next  # [b, s]
             metrics[f"loss_{k}"] = step_loss.item()
             metrics[f"acc_{k}"] = masked_mean(ok.float(), valid).item()
             metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), valid & on_path).item()
@@ -352,7 +418,8 @@ def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
     drafter, meta = load_drafter(path)
     target = target or load_target(meta["target"])
     cfg = EagleConfig(version=meta["version"], aux_layers=meta["aux_layers"], ttt_steps=meta["ttt_steps"],
-                      draft_vocab_size=drafter.d2t.numel(), intermediate_size=drafter.config.intermediate_size)
+                      draft_vocab_size=drafter.d2t.numel(), intermediate_size=drafter.config.intermediate_size,
+                      fc_norm=getattr(drafter.config, "fc_norm", False))
     method = Eagle(target, cfg, drafter.draft_ids)
     method.drafter.load_state_dict(drafter.state_dict())
     return method

@@ -74,9 +74,9 @@ def _target_config(target: str):
                          f"needs for its layer count and architectures; make it readable there: {e}") from e
 
 
-def _serving_order(drafter: EagleDrafter, layers: list[int], num_layers: int) -> tuple[list[int], torch.Tensor]:
+def _serving_order(drafter: EagleDrafter, layers: list[int], num_layers: int) -> tuple[list[int], dict]:
     """The aux layers in increasing order, as the engines concatenate them, and fc.weight [H, 3H] with its three
-    input blocks permuted to match."""
+    input blocks permuted to match (and the per-layer fc_norm.{i}.weight with them, where the drafter has them)."""
     if len(layers) != 3 or len(set(layers)) != 3:
         raise ValueError(f"aux layers {layers}: SGLang and vLLM fuse exactly three distinct target layers; "
                          "retrain with three distinct eagle.aux_layers")
@@ -86,7 +86,10 @@ def _serving_order(drafter: EagleDrafter, layers: list[int], num_layers: int) ->
                          f"this {num_layers}-layer target only; retrain with eagle.aux_layers in that range")
     order = sorted(range(3), key=layers.__getitem__)
     fc = drafter.fc.weight.detach().unflatten(1, (3, -1))[:, order].flatten(1)  # [H, 3, H] blocks reordered
-    return [layers[k] for k in order], fc.contiguous()
+    tensors = {"fc.weight": fc.contiguous()}
+    if drafter.fc_norm is not None:
+        tensors.update({f"fc_norm.{i}.weight": drafter.fc_norm[k].weight for i, k in enumerate(order)})
+    return [layers[k] for k in order], tensors
 
 
 def _llama_fields(config: LlamaConfig, dtype: torch.dtype) -> dict:
@@ -113,12 +116,14 @@ def _write(tmp: Path, fmt: str, meta: dict, config: dict, tensors: dict, layers:
 
 
 def _eagle3(drafter: EagleDrafter, meta: dict, prefix: str):
-    """(serving-order layers, tensors with the layer under `prefix`, the EAGLE-3 config fields, target config)."""
+    """(serving-order layers, tensors with the layer under `prefix`, the EAGLE-3 config fields, target config).
+    EAGLE 3.1's fc_norm goes as `fc_norm: true` (vLLM and SGLang read a missing one as false) and fc_norm.{i}.weight."""
     target = _target_config(meta["target"])
-    layers, fc = _serving_order(drafter, meta["aux_layers"], target.get_text_config().num_hidden_layers)
-    tensors = {k.replace("midlayer.", prefix): v for k, v in drafter.state_dict().items()}
-    tensors["fc.weight"] = fc
+    layers, fused = _serving_order(drafter, meta["aux_layers"], target.get_text_config().num_hidden_layers)
+    tensors = {k.replace("midlayer.", prefix): v for k, v in drafter.state_dict().items()} | fused
     fields = {"draft_vocab_size": drafter.d2t.numel(), "target_hidden_size": drafter.config.target_hidden_size}
+    if drafter.fc_norm is not None:
+        fields["fc_norm"] = True
     return layers, tensors, fields, target
 
 
@@ -162,8 +167,8 @@ def write_speculators(drafter_dir: Path, tmp: Path, final: Path) -> None:
                 "accept_tolerance": 0.0}
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "speculators_version": SPECULATORS_VERSION,
-              "transformer_layer_config": _llama_fields(drafter.config, drafter.fc.weight.dtype), **fields,
-              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+              "transformer_layer_config": _llama_fields(drafter.config, drafter.fc.weight.dtype),
+              "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False, **fields,
               "eagle_aux_hidden_state_layer_ids": layers,
               "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
                                      "default_proposal_method": "greedy",
@@ -275,7 +280,11 @@ def load_speculators(path: Path) -> tuple[EagleDrafter, dict]:
     if not layers:
         raise ValueError(f"{path}/config.json has no eagle_aux_hidden_state_layer_ids; vLLM would capture its "
                          "default layers, not the trained ones")
-    fields = {**cfg["transformer_layer_config"], "target_hidden_size": cfg.get("target_hidden_size")}
+    if cfg.get("norm_before_fc") or cfg.get("norm_output"):
+        raise ValueError(f"{path}/config.json: norm_before_fc / norm_output are set, which this project's drafter does "
+                         "not implement (it has EAGLE 3.1's per-layer fc_norm only)")
+    fields = {**cfg["transformer_layer_config"], "target_hidden_size": cfg.get("target_hidden_size"),
+              "fc_norm": cfg.get("fc_norm", False)}
     return _eagle3_drafter(fields, tensors, layers), _meta(3, layers, verifier["name_or_path"], "speculators")
 
 

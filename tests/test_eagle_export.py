@@ -40,11 +40,11 @@ def target(tmp_path_factory) -> Target:
     return Target(model.eval().requires_grad_(False), None, str(path))
 
 
-def drafter_dir(target: Target, out: Path, version: int = 3, aux_layers=(4, 1, 3)) -> Path:
+def drafter_dir(target: Target, out: Path, version: int = 3, aux_layers=(4, 1, 3), fc_norm: bool = False) -> Path:
     """A random, non-trivial drafter checkpoint (norm weights away from 1, a non-zero EAGLE-1 fc bias)."""
     torch.manual_seed(1)
-    m = Eagle(target, EagleConfig(version=version, ttt_steps=3, aux_layers=list(aux_layers) if version == 3 else []),
-              DRAFT_IDS if version == 3 else None)
+    m = Eagle(target, EagleConfig(version=version, ttt_steps=3, aux_layers=list(aux_layers) if version == 3 else [],
+                                  fc_norm=fc_norm), DRAFT_IDS if version == 3 else None)
     for p in m.drafter.parameters():
         torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
     m.save_pretrained(out)
@@ -120,6 +120,28 @@ def test_layers_trained_out_of_order_are_served_in_layer_order_with_fc_permuted(
     for mode in ("chain", "tree"):
         assert proposals(original, meta["aux_layers"], target, mode) == proposals(loaded, back["aux_layers"], target,
                                                                                   mode)
+
+
+# EAGLE 3.1's per-layer norm: speculators src/speculators/models/eagle3/config.py (`fc_norm`, exclusive with
+# norm_before_fc) and core.py (fc_norm = ModuleList of one RMSNorm per aux layer, applied to the chunks of the
+# concatenated states before fc, weights fc_norm.{i}.weight); vLLM's speculators reader (configs/speculators/algos.py)
+# copies fc_norm onto the layer's config, false when missing.
+@pytest.mark.parametrize("fmt", EAGLE3)
+def test_fc_norm_is_exported_as_the_engines_read_it_and_permuted_with_fc(fmt, target, tmp_path):
+    src = drafter_dir(target, tmp_path / "drafter", aux_layers=(4, 1, 3), fc_norm=True)
+    original, meta = load_drafter(src)
+    out = E.export(src, fmt, tmp_path / fmt)
+    cfg, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert cfg["fc_norm"] is True and cfg.get("norm_before_fc", False) is False
+    for i, k in enumerate([1, 2, 0]):  # layers (4, 1, 3) are served as (1, 3, 4)
+        assert torch.equal(tensors[f"fc_norm.{i}.weight"], original.fc_norm[k].weight)
+    loaded, back = E.load("eagle", fmt, out)
+    assert loaded.fc_norm is not None
+    ids, hs = hidden_states(target)
+    torch.testing.assert_close(draft_logits(loaded, target, ids, features(hs, back["aux_layers"])),
+                               draft_logits(original, target, ids, features(hs, meta["aux_layers"])))
+    without = E.load("eagle", fmt, E.export(drafter_dir(target, tmp_path / "plain"), fmt, tmp_path / f"{fmt}-plain"))[0]
+    assert without.fc_norm is None
 
 
 # ---- the layer ids as each engine reads them ------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""EAGLE-3 ablation: head initialisation, fc_norm, training-time-test schedule and loss, beside EAGLE-1, all trained on
+the same data for the same wall-clock budget; and EAGLE-3's peak training memory per token on a 262k vocabulary.
+
+    python scripts/bench_eagle3_ablation.py [--budget-minutes 3.5] [--variants NAME ...] [--num-prompts 8]
+        [--max-new-tokens 64] [--runs-dir runs/eagle3_ablation] [--memory] [--out benchmarks/eagle3_ablation.json]
+
+Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides, trained by
+scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
+lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
+end (its drafter is what is measured). Each drafter then decodes the same held-out prompts as a chain
+(gamma 5) and as an EAGLE-2 tree (the leaderboard's CPU tree: top_k 8, depth 5, 24 nodes) at
+temperature 0 (output checked token by token against the target's greedy `generate`) and at temperature
+1 (exact verification), one seed per prompt. Resumable: a variant whose run holds a drafter is not
+retrained, and one already measured in `--out` with the same run and steps is not re-evaluated.
+
+`--memory` measures one EAGLE-3 training step (forward and backward, ttt_steps 5, draft vocabulary 32000) on a
+random Gemma-3-shaped target (hidden 640, 4 layers, tied embeddings, vocabulary 32768 and 262144) with
+`eagle.logit_chunk` 0 (the whole sequence at once, as before) and 64, each in a fresh process: peak resident
+memory during the step above the resident memory before it (Linux VmHWM, reset through /proc/self/clear_refs),
+per token of the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.evaluate import evaluate, render_prompts
+from draftsmith.decoding.proposers import load_proposer
+from draftsmith.models.export import find_drafter
+from draftsmith.models.target import REFERENCE_TARGET, load_target
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+bench = sys.modules["bench"] = importlib.util.module_from_spec(_spec)  # scripts/bench.py: training, records
+_spec.loader.exec_module(bench)
+
+# one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
+VARIANTS = {
+    "eagle1": ("eagle1", []),
+    "e3_random": ("eagle3", ["eagle.head_init=random"]),
+    "e3_trainable": ("eagle3", ["eagle.head_init=trainable"]),
+    "e3_frozen": ("eagle3", ["eagle.head_init=frozen"]),
+    "e3_frozen_fc_norm": ("eagle3", ["eagle.head_init=frozen", "eagle.fc_norm=true"]),
+    "e3_frozen_ttt_ramp": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_ramp=0.5"]),
+    "e3_frozen_tv": ("eagle3", ["eagle.head_init=frozen", "eagle.loss=tv"]),
+    "e3_frozen_ttt3": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_steps=3"]),
+    "e3_default": ("eagle3", []),  # recipes/eagle3/tiny-code.yaml as shipped, set from the variants above
+    "eagle1_rep": ("eagle1", []),  # EAGLE-1 again, same seed: what contention alone changes
+}
+# one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
+COMMON = ["loop.save_every=1000000", "eval.heldout_examples=16", "eval.num_prompts=2"]
+DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top_k=8, depth=5, total_tokens=24)}
+TEMPERATURES = (0.0, 1.0)
+
+
+def train_variant(name: str, run: Path, budget: float) -> dict:
+    key, overrides = VARIANTS[name]
+    load = os.getloadavg()[0]
+    wall = None
+    if not bench.has_drafter(run):
+        wall = bench.train(bench.BY_KEY[key], run, budget, str(REFERENCE_TARGET), overrides + COMMON)
+    record = bench.training_record(run, find_drafter(run), "eval/tau")
+    return {"method": key, "overrides": overrides, "steps": record["steps"], "train_seconds": record["train_seconds"],
+            "wall_seconds_with_evaluation": wall, "load_average_1min_at_start": load if wall else None}
+
+
+def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> dict:
+    out = {}
+    for mode, kwargs in DECODINGS.items():
+        proposer = load_proposer(str(find_drafter(run)), target.model, **kwargs)
+        r = evaluate(target.model, proposer, prompts, max_new_tokens, TEMPERATURES, baselines=baselines)
+        out[mode] = {f"T{t}": {"tau": round(r["by_temperature"][t]["tau"], 4),
+                               "acceptance_by_position": [round(a, 3) for a in
+                                                          r["by_temperature"][t]["acceptance_by_position"][:5]]}
+                     for t in r["by_temperature"]}
+        out[mode]["T0"]["greedy_matches_target"] = r["by_temperature"]["0"]["greedy_matches_target"]
+        print(f"  {mode}: tau T=0 {out[mode]['T0']['tau']:.3f}, T=1 {out[mode]['T1']['tau']:.3f}", flush=True)
+    return out
+
+
+MEMORY_STEP = """
+import json, sys, torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from draftsmith.models.eagle import Eagle, EagleConfig
+from draftsmith.models.target import Target
+vocab, chunk = int(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+config = Gemma3TextConfig(vocab_size=vocab, hidden_size=640, intermediate_size=2048, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+target = Target(Gemma3ForCausalLM(config).eval().requires_grad_(False), None, "random-gemma3")
+draft_ids = torch.randperm(vocab)[:32000].sort().values
+m = Eagle(target, EagleConfig(version=3, ttt_steps=5, draft_vocab_size=32000, logit_chunk=chunk), draft_ids).train()
+b, s = 2, 512
+batch = {"input_ids": torch.randint(0, vocab, (b, s)), "loss_mask": torch.ones(b, s, dtype=torch.long)}
+def kib(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+before = kib("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+loss, _ = m(batch)
+loss.backward()
+peak = kib("VmHWM")
+print(json.dumps({"target_vocab": vocab, "logit_chunk": chunk, "tokens": b * s, "loss": loss.item(),
+                  "peak_above_start_mib": round((peak - before) / 1024, 1),
+                  "peak_per_token_kib": round((peak - before) / (b * s), 1)}))
+"""
+
+
+def memory() -> dict:
+    rows = []
+    for vocab in (32768, 262144):
+        for chunk in (0, 64):
+            done = subprocess.run([sys.executable, "-c", MEMORY_STEP, str(vocab), str(chunk)], cwd=REPO,
+                                  capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"memory: {rows[-1]}", flush=True)
+    return {"setup": "one EAGLE-3 training step (forward + backward, ttt_steps 5, draft vocabulary 32000) on a random "
+                     "Gemma-3-shaped target (Gemma3ForCausalLM: hidden 640, 4 layers, tied embeddings), batch 2 x "
+                     "512 tokens, fp32 on CPU, each in a fresh process; peak RSS during the step above RSS before it",
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-minutes", type=float, default=3.5)
+    parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="none: only --memory")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "eagle3_ablation")
+    parser.add_argument("--memory", action="store_true", help="also measure peak training memory per token")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "eagle3_ablation.json")
+    args = parser.parse_args(argv)
+    board = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    board.setdefault("variants", {})
+    board["settings"] = {
+        "command": " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
+        "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
+        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS,
+        "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
+        "hardware": f"CPU, {os.cpu_count()} cores shared with other jobs (training: torch's default threads; "
+                    "decoding: 1 thread); steps per variant show what the contention left each one"}
+    torch.set_num_threads(1)
+    target = load_target()
+    prompts = render_prompts(target.tokenizer, load_prompts(PROMPTS_PATH, args.num_prompts))
+    baselines: dict = {}
+    for name in args.variants:
+        run = args.runs_dir / name
+        print(f"[{name}] {VARIANTS[name]}", flush=True)
+        start = time.perf_counter()
+        entry = train_variant(name, run, args.budget_minutes)
+        old = board["variants"].get(name, {})
+        if old.get("steps") == entry["steps"] and old.get("run") == str(run) and "chain" in old:
+            print(f"  measured before ({entry['steps']} steps)", flush=True)
+            continue
+        entry.update(run=str(run), **decode(run, target, prompts, args.max_new_tokens, baselines))
+        entry["seconds"] = round(time.perf_counter() - start, 1)
+        board["variants"][name] = entry
+        save(board, args.out)
+    if args.memory:
+        board["memory"] = memory()
+    save(board, args.out)
+    print(f"wrote {args.out}")
+    return board
+
+
+def save(board: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(board, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -72,6 +72,7 @@ from draftsmith.decoding.proposers import (
     load_proposer,
     truncated_copy,
 )
+from draftsmith.decoding.suffix import SuffixDecoding
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import EagleProposer
 from draftsmith.models.export import find_drafter
@@ -99,6 +100,12 @@ class Drafting:
 
 def _ngram(drafter_dir, target) -> dict[str, Drafting]:
     return {"chain": Drafting(target, lambda g: PromptLookup(num_pred_tokens=10, max_ngram_size=2))}
+
+
+def _suffix(drafter_dir, target) -> dict[str, Drafting]:
+    # vLLM's suffix defaults where they apply: trie depth 24, min_token_prob 0.1; up to 16 tokens per draft
+    return {"chain": Drafting(target, lambda g: SuffixDecoding(max_spec=16)),
+            "tree": Drafting(target, lambda g: SuffixDecoding(max_spec=16, max_children=4))}
 
 
 def _lookahead(drafter_dir, target) -> dict[str, Drafting]:
@@ -158,6 +165,7 @@ class Method:
 
 METHODS = [
     Method("ngram", "prompt lookup (n-gram)", _ngram),
+    Method("suffix", "suffix decoding", _suffix),
     Method("lookahead", "lookahead", _lookahead),
     Method("draft", "draft model (untrained, 2 layers)", _draft),
     Method("medusa1", "Medusa-1", _medusa, "train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml"),
@@ -278,7 +286,7 @@ def predicted_speedup(alpha: float, c: float, gamma: int) -> float:
 def speedup_model(stats: DecodeStats, gamma: int, max_gamma: int) -> dict:
     """alpha and c from one chain evaluation; predicted speedup for each gamma; gamma* its argmax."""
     alpha = sum(stats.passed.values()) / max(1, sum(stats.reached.values()))
-    c = (stats.drafter_s / max(1, stats.drafted)) / (stats.target_s / max(1, stats.steps))
+    c = drafting_cost(stats.summary()) or 0.0
     predicted = {g: predicted_speedup(alpha, c, g) for g in GAMMAS if g <= max_gamma}
     best = max(predicted, key=predicted.get)
     tau = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -344,6 +352,18 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n else "0"
 
 
+def drafting_cost(stats: dict) -> float | None:
+    """c: drafter seconds per drafted node over target seconds per verification forward (None: nothing drafted)."""
+    if not stats["drafted_tokens"]:
+        return None
+    return (stats["drafter_s"] / stats["drafted_tokens"]) / (stats["target_s"] / stats["target_forwards"])
+
+
+def _cost(stats: dict) -> str:
+    c = drafting_cost(stats)
+    return "" if c is None else f"{c:.3f}"
+
+
 def _lossless(row: dict) -> bool:
     """Every greedy check of a variant passed (at its gamma, and at gamma* where that was measured)."""
     return row["by_temperature"]["0"]["greedy_matches_target"] and \
@@ -360,9 +380,11 @@ def markdown(board: dict) -> str:
              "tau counts the bonus token; T=1 is exact (lossless) sampling; speedup is wall-clock against the "
              "verifying model's plain decoding, timed back to back per prompt (noisy on shared cores); "
              "drafter params: run per draft (in brackets: not shared with the target).", "",
-             "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | speedup T=0 | speedup T=1 "
+             "c = drafting cost per proposed token: drafter seconds per drafted node / target seconds per "
+             "verification forward, at T=0.", "",
+             "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | c | speedup T=0 | speedup T=1 "
              "| acceptance by position, T=0 | greedy = target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in board["methods"].values():
         if entry["status"] != "ok":
             lines.append(f"| {entry['name']} | | | | | | | | {entry['status']} | |")
@@ -373,7 +395,7 @@ def markdown(board: dict) -> str:
             name = entry["name"] + ("" if entry["verifier"] == "target" else f" ({entry['verifier']})")
             decoding = variant + (f" gamma={row['gamma']}" if row["gamma"] else "")
             lines.append(f"| {name} | {decoding} | {_params(row['drafter_params'])} ({_params(row['new_params'])}) "
-                         f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {t0['speedup']:.2f}x "
+                         f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {_cost(t0)} | {t0['speedup']:.2f}x "
                          f"| {t1['speedup']:.2f}x | {acc} | {'yes' if _lossless(row) else 'NO'} |")
     lines += ["", "Speedup model (chains, T=0): alpha = accepted / offered positions, c = drafter time per drafted "
               "token / target time per verification; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c)).",

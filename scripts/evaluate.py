@@ -4,8 +4,8 @@
         [--max-new-tokens 128] [--temperatures 0 1] [--rule auto|greedy|exact|typical] [--plot acc.png]
         --out results.json
 
-SPEC: a drafter checkpoint directory, `ngram` (prompt lookup), `lookahead`, or `draft:DIR` (a draft
-model with the target's tokenizer). Prompts come from the reference target's held-out set unless
+SPEC: a drafter checkpoint directory, `ngram` (prompt lookup), `suffix` (suffix decoding), `lookahead`, or
+`draft:DIR` (a draft model with the target's tokenizer). Prompts come from the reference target's held-out set unless
 `--prompts FILE` (JSONL; each line `{"messages": [...]}` rendered with the target's chat template, or
 `{"prompt": "raw text"}`) is given. Prints a table and writes tau, acceptance by position, the
 accepted-length histogram, speedup over the target's own decoding, and greedy equality checked
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=str(REFERENCE_TARGET), help="Hugging Face causal LM directory")
-    parser.add_argument("--drafter", required=True, help="checkpoint dir, ngram, lookahead or draft:DIR")
+    parser.add_argument("--drafter", required=True, help="checkpoint dir, ngram, suffix, lookahead or draft:DIR")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="JSONL of messages or prompt rows")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)

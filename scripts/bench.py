@@ -78,6 +78,7 @@ from draftsmith.models.eagle import EagleProposer
 from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
+from draftsmith.models.p_eagle import PEagleProposer
 from draftsmith.models.target import REFERENCE_TARGET, Target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,6 +140,15 @@ def _eagle(drafter_dir, target) -> dict[str, Drafting]:
             "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}
 
 
+def _p_eagle(drafter_dir, target) -> dict[str, Drafting]:
+    first = load_proposer(str(drafter_dir), target)  # the drafter layer and mask_hidden, on the target's embedding/head
+    K = json.loads((drafter_dir / "drafter.json").read_text())["ttt_steps"]  # the depths it was trained to draft
+
+    def proposer(g: int) -> PEagleProposer:
+        return PEagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.ptd_token_id, gamma=g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}
+
+
 def _layerskip(drafter_dir, target) -> dict[str, Drafting]:
     model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()  # the early-exit-trained target
     exit_layer = json.loads((drafter_dir / "drafter.json").read_text())["exit_layer"]
@@ -172,6 +182,7 @@ METHODS = [
     Method("medusa2", "Medusa-2", _medusa, "train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml"),
     Method("eagle1", "EAGLE-1", _eagle, "train/eagle.py", "recipes/eagle/tiny-code.yaml"),
     Method("eagle3", "EAGLE-3", _eagle, "train/eagle3.py", "recipes/eagle3/tiny-code.yaml"),
+    Method("p_eagle", "P-EAGLE", _p_eagle, "train/p_eagle.py", "recipes/p_eagle/tiny-code.yaml"),
     Method("layerskip", "LayerSkip", _layerskip, "train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
            "eval/tau_exit{exit_layer}"),
     Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),

@@ -74,6 +74,7 @@ from draftsmith.decoding.proposers import (
 )
 from draftsmith.decoding.suffix import SuffixDecoding
 from draftsmith.decoding.verify import Sampling
+from draftsmith.models.dflash import DFlashProposer
 from draftsmith.models.eagle import EagleProposer
 from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
@@ -149,6 +150,15 @@ def _p_eagle(drafter_dir, target) -> dict[str, Drafting]:
     return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}
 
 
+def _dflash(drafter_dir, target) -> dict[str, Drafting]:
+    first = load_proposer(str(drafter_dir), target)  # the draft layers, on the target's embedding and LM head
+    K = first.gamma  # block_size - 1, the slots it was trained to fill
+
+    def proposer(g: int) -> DFlashProposer:
+        return DFlashProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.mask_token_id, g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}
+
+
 def _layerskip(drafter_dir, target) -> dict[str, Drafting]:
     model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()  # the early-exit-trained target
     exit_layer = json.loads((drafter_dir / "drafter.json").read_text())["exit_layer"]
@@ -183,6 +193,7 @@ METHODS = [
     Method("eagle1", "EAGLE-1", _eagle, "train/eagle.py", "recipes/eagle/tiny-code.yaml"),
     Method("eagle3", "EAGLE-3", _eagle, "train/eagle3.py", "recipes/eagle3/tiny-code.yaml"),
     Method("p_eagle", "P-EAGLE", _p_eagle, "train/p_eagle.py", "recipes/p_eagle/tiny-code.yaml"),
+    Method("dflash", "DFlash", _dflash, "train/dflash.py", "recipes/dflash/tiny-code.yaml"),
     Method("layerskip", "LayerSkip", _layerskip, "train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
            "eval/tau_exit{exit_layer}"),
     Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),

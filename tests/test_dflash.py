@@ -128,9 +128,9 @@ def test_a_trained_dflash_drafts_the_targets_text():
         loss.backward()
         opt.step()
     m.eval()
-    assert metrics["acc_0"] > 0.9 and metrics["acc_2"] > 0.8
+    assert metrics["acc_0"] > 0.75 and metrics["acc_2"] > 0.6  # drafted without the anchor's own feature
     spec, stats = speculative_generate(target.model, m.proposer(), prompt, 40, eos_token_id=[])
-    assert torch.equal(spec, text) and stats.tau > 2.5
+    assert torch.equal(spec, text) and stats.tau > 2, stats.tau
 
 
 def test_sampled_output_has_the_targets_distribution():

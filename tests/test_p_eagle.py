@@ -4,13 +4,12 @@ on several architectures, chi-square exactness at T=1, one drafter forward per s
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
-from conftest import script
+from conftest import chi2_two_tokens, randomise, script, train_steps
 from test_decoding_generate import CONFIGS
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -34,8 +33,7 @@ def method(arch: str = "llama", K: int = 4, draft_ids=None, vocab: int = V, seed
     model = T.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     torch.manual_seed(seed)
     m = PEagle(Target(model, None, "tiny"), EagleConfig(version=3, ttt_steps=K), draft_ids, ptd_token_id=3)
-    for p in m.drafter.parameters():  # a random, non-trivial drafter
-        torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
+    randomise(m.drafter)
     return m.eval()
 
 
@@ -88,14 +86,7 @@ def test_a_trained_p_eagle_drafts_the_targets_text():
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 3])
     text, _ = plain_generate(model, prompt, 40, eos_token_id=[])
     bt = {"input_ids": text, "loss_mask": torch.ones_like(text), "position_ids": torch.arange(text.shape[1])[None]}
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
-    m.train()
-    for _ in range(200):
-        loss, metrics = m.ttt(bt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    m.eval()
+    metrics = train_steps(m, m.ttt, bt)
     assert metrics["acc_0"] > 0.9 and metrics["acc_2"] > 0.8  # depth 3 drafts blind to tokens 1..2: harder
     spec, stats = speculative_generate(model, m.proposer(gamma=3), prompt, 40, eos_token_id=[])
     assert torch.equal(spec, text) and stats.tau > 2.5
@@ -103,26 +94,10 @@ def test_a_trained_p_eagle_drafts_the_targets_text():
 
 def test_sampled_output_has_the_targets_distribution():
     """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
-    vocab, trials = 6, 1500
-    m = method(vocab=vocab, layers=2, draft_ids=torch.tensor([0, 2, 3, 5]))
+    m = method(vocab=6, layers=2, draft_ids=torch.tensor([0, 2, 3, 5]))
     m.drafter.lm_head.weight.data *= 4  # a peaked q, far from p
-    model = m.target.model
-    prompt = torch.tensor([[1, 4, 2]])
-    with torch.no_grad():
-        p1 = torch.softmax(model(prompt).logits[0, -1], -1)  # [v]
-        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, 4]
-        p2 = torch.softmax(model(both).logits[:, -1], -1)  # [v, v]
-    expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(vocab * vocab)
-    proposer = m.proposer(gamma=2)
-    for _ in range(trials):
-        out, _ = speculative_generate(model, proposer, prompt, 2, Sampling(temperature=1.0, generator=g),
-                                      eos_token_id=[])
-        counts[out[0, 3] * vocab + out[0, 4]] += 1
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    dof = vocab * vocab - 1
-    assert chi2 < dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    chi2, critical = chi2_two_tokens(m.target.model, m.proposer(gamma=2))
+    assert chi2 < critical
 
 
 def test_checkpoint_round_trip_and_decoder_loading(tmp_path):

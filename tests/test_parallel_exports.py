@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import test_eagle_export
 import torch
+from conftest import randomise
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_eagle_export import H, L, V
 
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.verify import Sampling
@@ -19,27 +21,7 @@ from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.p_eagle import PEagle, PEagleProposer
 from draftsmith.models.target import Target
 
-V, L, H = 96, 6, 32
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Target:
-    """A 6-layer Llama saved to disk (the exporters read the target's config)."""
-    path = tmp_path_factory.mktemp("target")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                         bos_token_id=None, eos_token_id=None,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
-    model.lm_head.weight.data *= 5
-    model.save_pretrained(path)
-    return Target(model.eval().requires_grad_(False), None, str(path))
-
-
-def randomise(module: torch.nn.Module) -> None:
-    torch.manual_seed(1)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
+target = test_eagle_export.target  # the fixture: a 6-layer Llama saved to disk (the exporters read its config)
 
 
 def block(proposer, target: Target, seed: int = 3) -> tuple[list[int], torch.Tensor]:
@@ -60,6 +42,7 @@ def block(proposer, target: Target, seed: int = 3) -> tuple[list[int], torch.Ten
 def p_eagle_dir(target: Target, out: Path, aux_layers=(4, 1, 3)) -> Path:
     m = PEagle(target, EagleConfig(version=3, ttt_steps=4, aux_layers=list(aux_layers)), torch.arange(0, V, 2),
                ptd_token_id=7)
+    torch.manual_seed(1)
     randomise(m.drafter)
     m.save_pretrained(out)
     return out
@@ -107,6 +90,7 @@ def test_parallel_drafting_token_is_read_in_vllms_order():
 
 def dflash_dir(target: Target, out: Path, aux_layers=(4, 1, 3)) -> Path:
     m = DFlash(target, DFlashConfig(block_size=5, num_layers=2, aux_layers=list(aux_layers)), mask_token_id=9)
+    torch.manual_seed(1)
     randomise(m.drafter)
     m.save_pretrained(out)
     return out

@@ -1,7 +1,8 @@
 """The leaderboard: every drafter on the same target, the same held-out prompts, the same training budget.
 
     python scripts/bench.py [--budget-minutes 5] [--methods ngram medusa1 ...] [--reuse] [--merge]
-        [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--runs-dir runs/bench]
+        [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--train-threads N]
+        [--runs-dir runs/bench]
         [--override [METHOD:]KEY=VALUE ...] [--out benchmarks/leaderboard.json]
 
 For each method of METHODS: train it on the target with its default recipe for
@@ -40,7 +41,10 @@ trained 5 min each, plus start-up, checkpoint evaluations and the final evaluati
 training with `--budget-minutes`. Decoding runs on `--threads 1` by default: a 10M-parameter target at batch 1
 is latency-bound, and on cores shared with other jobs two OpenMP threads once decoded 10x slower
 than one (450-760 ms against 46 ms per token at load average 8). Training keeps torch's default
-threads: at one thread, Medusa-1 trained at ~85 tokens/s against ~940 with the default, side by side.
+threads: at one thread, Medusa-1 trained at ~85 tokens/s against ~940 with the default, side by side; but
+when other jobs oversubscribe the cores (load average ~12 on 2 cores), EAGLE-3 made 9 steps in 5 minutes with
+the default against 23 in 1.5 minutes with one thread (`--train-threads 1`). The load average at the start and
+end of the command is recorded in the settings.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -238,8 +243,10 @@ def overrides_for(method: Method, overrides: list[str]) -> list[str]:
 UNBOUNDED_STEPS = 10**6  # lifts every recipe's step limit, so that the time budget alone ends training
 
 
-def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str]) -> float:
-    """Train (or resume) `method` into `run` under the budget; returns the wall seconds, evaluations included."""
+def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str],
+          threads: int | None = None) -> float:
+    """Train (or resume) `method` into `run` under the budget (with `threads` OpenMP threads, else torch's default);
+    returns the wall seconds, evaluations included."""
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(REPO / method.script), "--config", str(REPO / method.recipe), f"target.path={target}",
            f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", f"loop.max_steps={UNBOUNDED_STEPS}",
@@ -247,7 +254,8 @@ def train(method: Method, run: Path, budget_minutes: float, target: str, overrid
     print(f"[{method.key}] training: {' '.join(cmd[1:])} (log: {run / 'train.log'})", flush=True)
     start = time.perf_counter()
     with open(run / "train.log", "a") as log:
-        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         tail = (run / "train.log").read_text().strip().splitlines()[-1:]
         raise RuntimeError(f"training failed (exit {done.returncode}): {tail[0] if tail else ''} (see {run}/train.log)")
@@ -504,7 +512,7 @@ def run_method(method: Method, args, target, prompts) -> dict:
         found = given or next((c for c in candidates if has_drafter(c)), None)
         wall = None
         if found is None:
-            wall = train(method, run, args.budget_minutes, str(args.target), args.override)
+            wall = train(method, run, args.budget_minutes, str(args.target), args.override, args.train_threads)
             found = run
         drafter_dir = find_drafter(found)
         entry["training"] = {**training_record(found, drafter_dir, method.curve), "reused": wall is None,
@@ -551,6 +559,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (training: torch's default)")
+    parser.add_argument("--train-threads", type=int, default=None,
+                        help="OpenMP threads per training run (default: torch's); 1 on cores other jobs oversubscribe")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument("--run", nargs="*", default=[], metavar="METHOD=DIR",
                         help="evaluate this existing run of a method instead of training it")
@@ -582,7 +592,8 @@ def main(argv: list[str] | None = None) -> dict:
         "target": str(args.target), "prompts": str(args.prompts), "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperatures": list(TEMPERATURES), "seed": args.seed,
         "budget_minutes": args.budget_minutes, "reuse": args.reuse, "overrides": args.override,
-        "device": "CPU", "torch_threads": torch.get_num_threads(), "batch_size": 1,
+        "device": "CPU", "torch_threads": torch.get_num_threads(), "train_threads": args.train_threads or "torch default",
+        "load_average_at_start": os.getloadavg(), "batch_size": 1,
         "git_commit": _git("rev-parse", "HEAD"), "git_modified": _git("diff", "--name-only", "HEAD").split()},
         "methods": {}}
     for key in args.methods:
@@ -596,6 +607,7 @@ def main(argv: list[str] | None = None) -> dict:
         if board["methods"][key]["status"] != "ok":
             print(f"[{key}] {board['methods'][key]['status']}", flush=True)
     board["settings"]["total_seconds"] = time.perf_counter() - start
+    board["settings"]["load_average_at_end"] = os.getloadavg()
     board = _rounded(merged(board, args.out) if args.merge else board)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(board, indent=2) + "\n")

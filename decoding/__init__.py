@@ -6,8 +6,8 @@
 
 Modules: `tree` (draft trees, tree mask, position ids), `verify` (accept rules and sampling
 warps), `cache` (KV rollback), `proposers` (the proposer protocol and the untrained drafters),
-`generate` (the decode loop), `metrics` (tau and acceptance statistics), `evaluate` (held-out
-evaluation and the per-checkpoint evaluator).
+`suffix` (suffix decoding), `generate` (the decode loop), `metrics` (tau and acceptance statistics),
+`evaluate` (held-out evaluation and the per-checkpoint evaluator).
 """
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -21,8 +21,9 @@ from draftsmith.decoding.proposers import (
            Verified,
            load_proposer,
 )
+from draftsmith.decoding.suffix import SuffixDecoding
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, verify, warp
 
 __all__ = ["speculative_generate", "plain_generate", "DecodeStats", "Proposer", "Verified", "NoDraft", "DraftModel",
-           "PromptLookup", "Lookahead", "load_proposer", "DraftTree", "Sampling", "verify", "warp"]
+           "PromptLookup", "SuffixDecoding", "Lookahead", "load_proposer", "DraftTree", "Sampling", "verify", "warp"]

@@ -235,20 +235,24 @@ class Lookahead(Proposer):
 
 
 def load_proposer(spec: str, target, tokenizer=None, **kwargs) -> Proposer:
-    """A proposer from a command-line spec: `ngram`, `lookahead`, `none`, `draft:DIR`, or a directory.
+    """A proposer from a command-line spec: `ngram`, `suffix`, `lookahead`, `none`, `draft:DIR`, or a directory.
 
     A directory is either a Hugging Face causal LM (used as a draft model) or a trained drafter
     with `drafter.json` = {"method": NAME}, loaded by `draftsmith.models.NAME.load_proposer(dir, target)`.
     """
     if spec in ("ngram", "prompt_lookup"):
         return PromptLookup(**kwargs)
+    if spec == "suffix":
+        from draftsmith.decoding.suffix import SuffixDecoding
+
+        return SuffixDecoding(**kwargs)
     if spec == "lookahead":
         return Lookahead(**kwargs)
     if spec == "none":
         return NoDraft()
     path = Path(spec.removeprefix("draft:"))
     if not path.is_dir():
-        raise ValueError(f"drafter {spec!r}: not 'ngram', 'lookahead', 'none', 'draft:DIR' or an existing directory")
+        raise ValueError(f"drafter {spec!r}: not 'ngram', 'suffix', 'lookahead', 'none', 'draft:DIR' or an existing directory")
     if (path / "drafter.json").exists() and not spec.startswith("draft:"):
         import importlib
 

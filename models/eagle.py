@@ -347,7 +347,7 @@ class Eagle(nn.Module):
         for k in range(steps or (self.ttt_length() if self.training else cfg.ttt_steps)):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
             mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
-            out = d(shift(emb, j), h, pos + k, mask, cache)  # [b, s, H]
+            out = d(*self.step_input(k, shift(emb, j), h), pos + k, mask, cache)  # [b, s, H]
             valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
             target_next = shift(greedy, j)  # [b, s]
             div, top = self.chunked_divergence(out, shift(target_p, j))  # [b, s], [b, s]
@@ -364,6 +364,11 @@ class Eagle(nn.Module):
             on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics
+
+    def step_input(self, k: int, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What TTT step k feeds the drafter: the embedding of x_{t+1+k} [b, s, H] and, after step 0, the drafter's
+        own previous output h [b, s, H] (P-EAGLE feeds placeholders instead, models/p_eagle.py)."""
+        return emb, h
 
     # ---- decoding and checkpoints ---------------------------------------------------------------------
 
@@ -402,6 +407,8 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafte
     state = load_file(path / WEIGHTS_FILE)
     draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
     drafter = EagleDrafter(config, meta["version"], draft_ids, max(1, len(meta["aux_layers"])))
+    if "mask_hidden" in state:  # P-EAGLE's placeholder feature (models/p_eagle.py)
+        drafter.mask_hidden = nn.Parameter(torch.zeros_like(state["mask_hidden"]))
     drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype).eval(), meta
 

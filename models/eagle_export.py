@@ -110,7 +110,7 @@ def _llama_fields(config: LlamaConfig, dtype: torch.dtype) -> dict:
 def _write(tmp: Path, fmt: str, meta: dict, config: dict, tensors: dict, layers: list[int], ids: dict) -> None:
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE)
     write_json(tmp / "config.json", config)
-    write_json(tmp / SIDE_FILE, {"format": fmt, "method": "eagle", "version": meta["version"],
+    write_json(tmp / SIDE_FILE, {"format": fmt, "method": meta["method"], "version": meta["version"],
                                   "target": meta["target"], "ttt_steps": meta["ttt_steps"], "aux_layers": layers,
                                   "aux_layers_convention": TRAINED, "layer_id_fields": ids})
 

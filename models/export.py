@@ -24,7 +24,8 @@ from draftsmith.train.guard import DiskFull, check_free, dir_bytes, is_disk_full
 
 # module that registers the formats of each method, imported on first use
 PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill",
-             "eagle": "draftsmith.models.eagle_export", "layerskip": "draftsmith.models.layerskip"}
+             "eagle": "draftsmith.models.eagle_export", "layerskip": "draftsmith.models.layerskip",
+             "p_eagle": "draftsmith.models.p_eagle_export", "dflash": "draftsmith.models.dflash_export"}
 EXPORT_FILE = "draftsmith_export.json"  # in every export: method, format and the target it verifies with
 
 
@@ -45,6 +46,19 @@ _REGISTRY: dict[tuple[str, str], Format] = {}
 def write_json(path: Path, obj: dict) -> None:
     """A config file as the engines' loaders read it (indented JSON, final newline)."""
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def vllm_parallel_drafting_token_id(config: dict) -> int:
+    """The token vLLM feeds at parallel-drafting slots (P-EAGLE, DFlash), read in vLLM's order
+    (vllm/v1/worker/gpu/spec_decode/utils.py get_parallel_drafting_token_id): dflash_config.mask_token_id,
+    mask_token_id, dspark_noise_token_id, pard_token, ptd_token_id."""
+    found = [((config.get("dflash_config") or {}).get("mask_token_id"))] + [
+        config.get(k) for k in ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")]
+    ids = [i for i in found if i is not None]
+    if not ids:
+        raise ValueError("config.json names no parallel-drafting token (dflash_config.mask_token_id, mask_token_id, "
+                         "dspark_noise_token_id, pard_token or ptd_token_id); vLLM refuses it")
+    return int(ids[0])
 
 
 def register(method: str, name: str, fmt: Format) -> None:

@@ -1,7 +1,8 @@
 """The leaderboard: every drafter on the same target, the same held-out prompts, the same training budget.
 
     python scripts/bench.py [--budget-minutes 5] [--methods ngram medusa1 ...] [--reuse] [--merge]
-        [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--runs-dir runs/bench]
+        [--run METHOD=DIR ...] [--num-prompts 20] [--max-new-tokens 128] [--threads 1] [--train-threads N]
+        [--runs-dir runs/bench]
         [--override [METHOD:]KEY=VALUE ...] [--out benchmarks/leaderboard.json]
 
 For each method of METHODS: train it on the target with its default recipe for
@@ -40,7 +41,10 @@ trained 5 min each, plus start-up, checkpoint evaluations and the final evaluati
 training with `--budget-minutes`. Decoding runs on `--threads 1` by default: a 10M-parameter target at batch 1
 is latency-bound, and on cores shared with other jobs two OpenMP threads once decoded 10x slower
 than one (450-760 ms against 46 ms per token at load average 8). Training keeps torch's default
-threads: at one thread, Medusa-1 trained at ~85 tokens/s against ~940 with the default, side by side.
+threads: at one thread, Medusa-1 trained at ~85 tokens/s against ~940 with the default, side by side; but
+when other jobs oversubscribe the cores (load average ~12 on 2 cores), EAGLE-3 made 9 steps in 5 minutes with
+the default against 23 in 1.5 minutes with one thread (`--train-threads 1`). The load average at the start and
+end of the command is recorded in the settings.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -72,11 +77,14 @@ from draftsmith.decoding.proposers import (
     load_proposer,
     truncated_copy,
 )
+from draftsmith.decoding.suffix import SuffixDecoding
 from draftsmith.decoding.verify import Sampling
+from draftsmith.models.dflash import DFlashProposer
 from draftsmith.models.eagle import EagleProposer
 from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
+from draftsmith.models.p_eagle import PEagleProposer
 from draftsmith.models.target import REFERENCE_TARGET, Target
 from draftsmith.train.loop import checkpoints
 
@@ -100,6 +108,12 @@ class Drafting:
 
 def _ngram(drafter_dir, target) -> dict[str, Drafting]:
     return {"chain": Drafting(target, lambda g: PromptLookup(num_pred_tokens=10, max_ngram_size=2))}
+
+
+def _suffix(drafter_dir, target) -> dict[str, Drafting]:
+    # vLLM's suffix defaults where they apply: trie depth 24, min_token_prob 0.1; up to 16 tokens per draft
+    return {"chain": Drafting(target, lambda g: SuffixDecoding(max_spec=16)),
+            "tree": Drafting(target, lambda g: SuffixDecoding(max_spec=16, max_children=4))}
 
 
 def _lookahead(drafter_dir, target) -> dict[str, Drafting]:
@@ -133,6 +147,24 @@ def _eagle(drafter_dir, target) -> dict[str, Drafting]:
             "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}
 
 
+def _p_eagle(drafter_dir, target) -> dict[str, Drafting]:
+    first = load_proposer(str(drafter_dir), target)  # the drafter layer and mask_hidden, on the target's embedding/head
+    K = json.loads((drafter_dir / "drafter.json").read_text())["ttt_steps"]  # the depths it was trained to draft
+
+    def proposer(g: int) -> PEagleProposer:
+        return PEagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.ptd_token_id, gamma=g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}
+
+
+def _dflash(drafter_dir, target) -> dict[str, Drafting]:
+    first = load_proposer(str(drafter_dir), target)  # the draft layers, on the target's embedding and LM head
+    K = first.gamma  # block_size - 1, the slots it was trained to fill
+
+    def proposer(g: int) -> DFlashProposer:
+        return DFlashProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.mask_token_id, g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}
+
+
 def _layerskip(drafter_dir, target) -> dict[str, Drafting]:
     model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()  # the early-exit-trained target
     exit_layer = json.loads((drafter_dir / "drafter.json").read_text())["exit_layer"]
@@ -159,12 +191,15 @@ class Method:
 
 METHODS = [
     Method("ngram", "prompt lookup (n-gram)", _ngram),
+    Method("suffix", "suffix decoding", _suffix),
     Method("lookahead", "lookahead", _lookahead),
     Method("draft", "draft model (untrained, 2 layers)", _draft),
     Method("medusa1", "Medusa-1", _medusa, "train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml"),
     Method("medusa2", "Medusa-2", _medusa, "train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml"),
     Method("eagle1", "EAGLE-1", _eagle, "train/eagle.py", "recipes/eagle/tiny-code.yaml"),
     Method("eagle3", "EAGLE-3", _eagle, "train/eagle3.py", "recipes/eagle3/tiny-code.yaml"),
+    Method("p_eagle", "P-EAGLE", _p_eagle, "train/p_eagle.py", "recipes/p_eagle/tiny-code.yaml"),
+    Method("dflash", "DFlash", _dflash, "train/dflash.py", "recipes/dflash/tiny-code.yaml"),
     Method("layerskip", "LayerSkip", _layerskip, "train/layerskip.py", "recipes/layerskip/tiny-code.yaml",
            "eval/tau_exit{exit_layer}"),
     Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),
@@ -209,8 +244,10 @@ def overrides_for(method: Method, overrides: list[str]) -> list[str]:
 UNBOUNDED_STEPS = 10**6  # lifts every recipe's step limit, so that the time budget alone ends training
 
 
-def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str]) -> float:
-    """Train (or resume) `method` into `run` under the budget; returns the wall seconds, evaluations included."""
+def train(method: Method, run: Path, budget_minutes: float, target: str, overrides: list[str],
+          threads: int | None = None) -> float:
+    """Train (or resume) `method` into `run` under the budget (with `threads` OpenMP threads, else torch's default);
+    returns the wall seconds, evaluations included."""
     run.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(REPO / method.script), "--config", str(REPO / method.recipe), f"target.path={target}",
            f"loop.output_dir={run}", f"loop.max_minutes={budget_minutes:g}", f"loop.max_steps={UNBOUNDED_STEPS}",
@@ -218,7 +255,8 @@ def train(method: Method, run: Path, budget_minutes: float, target: str, overrid
     print(f"[{method.key}] training: {' '.join(cmd[1:])} (log: {run / 'train.log'})", flush=True)
     start = time.perf_counter()
     with open(run / "train.log", "a") as log:
-        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         tail = (run / "train.log").read_text().strip().splitlines()[-1:]
         raise RuntimeError(f"training failed (exit {done.returncode}): {tail[0] if tail else ''} (see {run}/train.log)")
@@ -279,7 +317,7 @@ def predicted_speedup(alpha: float, c: float, gamma: int) -> float:
 def speedup_model(stats: DecodeStats, gamma: int, max_gamma: int) -> dict:
     """alpha and c from one chain evaluation; predicted speedup for each gamma; gamma* its argmax."""
     alpha = sum(stats.passed.values()) / max(1, sum(stats.reached.values()))
-    c = (stats.drafter_s / max(1, stats.drafted)) / (stats.target_s / max(1, stats.steps))
+    c = drafting_cost(stats.summary()) or 0.0
     predicted = {g: predicted_speedup(alpha, c, g) for g in GAMMAS if g <= max_gamma}
     best = max(predicted, key=predicted.get)
     tau = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -345,6 +383,18 @@ def _params(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n else "0"
 
 
+def drafting_cost(stats: dict) -> float | None:
+    """c: drafter seconds per drafted node over target seconds per verification forward (None: nothing drafted)."""
+    if not stats["drafted_tokens"]:
+        return None
+    return (stats["drafter_s"] / stats["drafted_tokens"]) / (stats["target_s"] / stats["target_forwards"])
+
+
+def _cost(stats: dict) -> str:
+    c = drafting_cost(stats)
+    return "" if c is None else f"{c:.3f}"
+
+
 def _lossless(row: dict) -> bool:
     """Every greedy check of a variant passed (at its gamma, and at gamma* where that was measured)."""
     return row["by_temperature"]["0"]["greedy_matches_target"] and \
@@ -361,9 +411,11 @@ def markdown(board: dict) -> str:
              "tau counts the bonus token; T=1 is exact (lossless) sampling; speedup is wall-clock against the "
              "verifying model's plain decoding, timed back to back per prompt (noisy on shared cores); "
              "drafter params: run per draft (in brackets: not shared with the target).", "",
-             "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | speedup T=0 | speedup T=1 "
+             "c = drafting cost per proposed token: drafter seconds per drafted node / target seconds per "
+             "verification forward, at T=0.", "",
+             "| method | decoding | drafter params (new) | training | tau T=0 | tau T=1 | c | speedup T=0 | speedup T=1 "
              "| acceptance by position, T=0 | greedy = target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in board["methods"].values():
         if entry["status"] != "ok":
             lines.append(f"| {entry['name']} | | | | | | | | {entry['status']} | |")
@@ -374,7 +426,7 @@ def markdown(board: dict) -> str:
             name = entry["name"] + ("" if entry["verifier"] == "target" else f" ({entry['verifier']})")
             decoding = variant + (f" gamma={row['gamma']}" if row["gamma"] else "")
             lines.append(f"| {name} | {decoding} | {_params(row['drafter_params'])} ({_params(row['new_params'])}) "
-                         f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {t0['speedup']:.2f}x "
+                         f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {_cost(t0)} | {t0['speedup']:.2f}x "
                          f"| {t1['speedup']:.2f}x | {acc} | {'yes' if _lossless(row) else 'NO'} |")
     lines += ["", "Speedup model (chains, T=0): alpha = accepted / offered positions, c = drafter time per drafted "
               "token / target time per verification; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c)).",
@@ -461,7 +513,7 @@ def run_method(method: Method, args, target, prompts) -> dict:
         found = given or next((c for c in candidates if has_drafter(c)), None)
         wall = None
         if found is None:
-            wall = train(method, run, args.budget_minutes, str(args.target), args.override)
+            wall = train(method, run, args.budget_minutes, str(args.target), args.override, args.train_threads)
             found = run
         drafter_dir = find_drafter(found)
         entry["training"] = {**training_record(found, drafter_dir, method.curve), "reused": wall is None,
@@ -508,6 +560,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for decoding (training: torch's default)")
+    parser.add_argument("--train-threads", type=int, default=None,
+                        help="OpenMP threads per training run (default: torch's); 1 on cores other jobs oversubscribe")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument("--run", nargs="*", default=[], metavar="METHOD=DIR",
                         help="evaluate this existing run of a method instead of training it")
@@ -539,7 +593,8 @@ def main(argv: list[str] | None = None) -> dict:
         "target": str(args.target), "prompts": str(args.prompts), "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "temperatures": list(TEMPERATURES), "seed": args.seed,
         "budget_minutes": args.budget_minutes, "reuse": args.reuse, "overrides": args.override,
-        "device": "CPU", "torch_threads": torch.get_num_threads(), "batch_size": 1,
+        "device": "CPU", "torch_threads": torch.get_num_threads(), "train_threads": args.train_threads or "torch default",
+        "load_average_at_start": os.getloadavg(), "batch_size": 1,
         "git_commit": _git("rev-parse", "HEAD"), "git_modified": _git("diff", "--name-only", "HEAD").split()},
         "methods": {}}
     for key in args.methods:
@@ -553,6 +608,7 @@ def main(argv: list[str] | None = None) -> dict:
         if board["methods"][key]["status"] != "ok":
             print(f"[{key}] {board['methods'][key]['status']}", flush=True)
     board["settings"]["total_seconds"] = time.perf_counter() - start
+    board["settings"]["load_average_at_end"] = os.getloadavg()
     board = _rounded(merged(board, args.out) if args.merge else board)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(board, indent=2) + "\n")

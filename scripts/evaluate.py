@@ -6,7 +6,7 @@
 
 SPEC: a drafter checkpoint directory (a run's best/ or a checkpoint's model/), an export written by
 scripts/export.py (any format: its draftsmith_export.json names method, format and target), `ngram`
-(prompt lookup), `lookahead`, or `draft:DIR` (a draft model with the target's tokenizer). The target
+(prompt lookup), `suffix` (suffix decoding), `lookahead`, or `draft:DIR` (a draft model with the target's tokenizer). The target
 defaults to the one the drafter records (the reference target for the others); the defaults (8
 prompts x 64 tokens, greedy, the drafter's own tree / gamma / exit layer) are those of the
 checkpoint evaluation during training, so a logged tau is reproduced without flags. Prompts come
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="Hugging Face causal LM directory or a named target (default: the one the drafter records)")
-    parser.add_argument("--drafter", required=True, help="checkpoint dir, export dir, ngram, lookahead or draft:DIR")
+    parser.add_argument("--drafter", required=True, help="checkpoint dir, export dir, ngram, suffix, lookahead or draft:DIR")
     parser.add_argument("--prompts", default=str(PROMPTS_PATH), help="JSONL of messages or prompt rows")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -1,8 +1,10 @@
-"""Shared fixtures and helpers: a tiny chat target saved like any Hugging Face model; entry scripts as modules."""
+"""Shared fixtures and helpers: a tiny chat target saved like any Hugging Face model; entry scripts as modules; the
+drafter tests' random drafters, short training runs and chi-square test of sampled output."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -39,3 +41,45 @@ def tiny_chat_target(tmp_path_factory) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def randomise(module: torch.nn.Module) -> None:
+    """Random, non-trivial weights for a drafter (norm weights away from 1)."""
+    for p in module.parameters():
+        torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
+
+
+def train_steps(method: torch.nn.Module, loss_fn, batch: dict, steps: int = 200, lr: float = 3e-3) -> dict:
+    """`steps` AdamW steps on loss_fn(batch) -> (loss, metrics) over the trainable parameters; the last metrics."""
+    opt = torch.optim.AdamW([p for p in method.parameters() if p.requires_grad], lr=lr)
+    method.train()
+    for _ in range(steps):
+        loss, metrics = loss_fn(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    method.eval()
+    return metrics
+
+
+def chi2_two_tokens(model, proposer, trials: int = 1500) -> tuple[float, float]:
+    """Sample two tokens after a fixed prompt `trials` times through speculative decoding at T=1: the chi-square
+    statistic of their counts against the target's exact joint distribution, and its 1e-3 critical value."""
+    from draftsmith.decoding.generate import speculative_generate
+    from draftsmith.decoding.verify import Sampling
+
+    vocab = model.config.vocab_size
+    prompt = torch.tensor([[1, 4, 2]])
+    with torch.no_grad():
+        p1 = torch.softmax(model(prompt).logits[0, -1], -1)  # [v]
+        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, 4]
+        p2 = torch.softmax(model(both).logits[:, -1], -1)  # [v, v]
+    expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(vocab * vocab)
+    for _ in range(trials):
+        out, _ = speculative_generate(model, proposer, prompt, 2, Sampling(temperature=1.0, generator=g),
+                                      eos_token_id=[])
+        counts[out[0, 3] * vocab + out[0, 4]] += 1
+    dof = vocab * vocab - 1
+    return float(((counts - expected) ** 2 / expected).sum()), dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3

@@ -47,7 +47,7 @@ def test_unavailable_method_is_reported_not_raised():
 def first_run(tiny_chat_target, tmp_path_factory):
     """Train Medusa-1 on the tiny target under a 0.3 s budget, then evaluate it with n-gram and a draft model."""
     out = tmp_path_factory.mktemp("bench")
-    args = ["--target", str(tiny_chat_target), "--methods", "ngram", "draft", "medusa1", "--num-prompts", "2",
+    args = ["--target", str(tiny_chat_target), "--methods", "ngram", "suffix", "draft", "medusa1", "--num-prompts", "2",
             "--max-new-tokens", "8", "--runs-dir", str(out / "runs"), "--budget-minutes", "0.005",
             "--override", "data.limit=48", "data.max_length=128", "data.cache=false", "loop.batch_size=2",
             "loop.max_steps=500", "loop.save_every=3", "eval.heldout_examples=6", "eval.num_prompts=1",
@@ -66,7 +66,8 @@ def test_budget_caps_training_and_the_run_is_recorded(first_run):
 
 def test_every_method_is_lossless_and_the_outputs_are_written(first_run):
     out, _, board = first_run
-    assert [board["methods"][k]["status"] for k in ("ngram", "draft", "medusa1")] == ["ok"] * 3
+    assert [board["methods"][k]["status"] for k in ("ngram", "suffix", "draft", "medusa1")] == ["ok"] * 4
+    assert set(board["methods"]["suffix"]["variants"]) == {"chain", "tree"}
     assert set(board["methods"]["medusa1"]["variants"]) == {"chain", "tree"}
     for entry in board["methods"].values():
         for row in entry["variants"].values():
@@ -80,6 +81,8 @@ def test_every_method_is_lossless_and_the_outputs_are_written(first_run):
     assert m["gamma"] == 5 and 0 <= m["alpha"] <= 1 and m["c"] > 0 and 1 <= m["gamma_star"] <= 8
     table = (out / "first" / "leaderboard.md").read_text()
     assert "| Medusa-1 | tree |" in table and "| prompt lookup (n-gram) | chain |" in table
+    c = bench().drafting_cost(draft["by_temperature"]["0"])
+    assert c == pytest.approx(m["c"], rel=1e-2) and f"| {c:.3f} |" in table  # c beside tau (from rounded JSON)
     for name in ("tau", "acceptance", "tau_vs_step"):
         assert (out / "first" / f"leaderboard_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -103,9 +106,9 @@ def test_merge_adds_methods_to_a_leaderboard_with_the_same_settings(first_run, t
     out, args, _ = first_run
     board = tmp_path / "leaderboard.json"
     board.write_text((out / "first" / "leaderboard.json").read_text())
-    only = [a for a in args if a not in ("draft", "medusa1")]  # --methods ngram
+    only = [a for a in args if a not in ("suffix", "draft", "medusa1")]  # --methods ngram
     merged = bench().main([*only, "--merge", "--out", str(board)])
-    assert list(merged["methods"]) == ["ngram", "draft", "medusa1"] and len(merged["settings"]["earlier"]) == 1
+    assert list(merged["methods"]) == ["ngram", "suffix", "draft", "medusa1"] and len(merged["settings"]["earlier"]) == 1
     assert "draft" in json.loads(board.read_text())["methods"]
     with pytest.raises(SystemExit, match="max_new_tokens"):
         bench().main([*only, "--max-new-tokens", "4", "--merge", "--out", str(board)])
@@ -113,7 +116,7 @@ def test_merge_adds_methods_to_a_leaderboard_with_the_same_settings(first_run, t
 
 def test_run_names_an_existing_run_and_bad_ones_fail_in_one_line(first_run, tmp_path):
     out, args, _ = first_run
-    only = [a for a in args if a not in ("ngram", "draft")]  # --methods medusa1
+    only = [a for a in args if a not in ("ngram", "suffix", "draft")]  # --methods medusa1
     with pytest.raises(SystemExit, match="not a trained method"):
         bench().main([*only, "--run", "ngram=x", "--out", str(tmp_path / "a.json")])
     board = bench().main([*only, "--run", f"medusa1={tmp_path}", "--out", str(tmp_path / "b.json")])

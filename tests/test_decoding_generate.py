@@ -16,6 +16,7 @@ from draftsmith.decoding import (
     PromptLookup,
     Proposer,
     Sampling,
+    SuffixDecoding,
     load_proposer,
     speculative_generate,
 )
@@ -59,7 +60,8 @@ def test_greedy_equals_generate_for_every_proposer(arch):
     draft = build(arch, seed=1)  # a different random model: it mostly disagrees, which must not matter
     x = prompt(0)
     ref = reference(target, x, min_new_tokens=NEW)
-    for proposer in (NoDraft(), PromptLookup(), Lookahead(), DraftModel(draft, V, gamma=3)):
+    for proposer in (NoDraft(), PromptLookup(), SuffixDecoding(), SuffixDecoding(max_children=3), Lookahead(),
+                     DraftModel(draft, V, gamma=3)):
         out, stats = speculative_generate(target, proposer, x, NEW)
         assert torch.equal(out, ref), f"{arch} {type(proposer).__name__}"
         assert stats.new_tokens == NEW and stats.tau >= 1
@@ -106,7 +108,7 @@ def test_eos_stops_exactly_where_plain_decoding_stops():
     eos = int(ref[12])
     expected = reference(target, x, eos_token_id=eos)
     assert expected.shape[1] < x.shape[1] + NEW  # the stop is real
-    for proposer in (Oracle(torch.cat([x[0], ref]), 5, 5), PromptLookup(), Lookahead()):
+    for proposer in (Oracle(torch.cat([x[0], ref]), 5, 5), PromptLookup(), SuffixDecoding(max_children=2), Lookahead()):
         out, _ = speculative_generate(target, proposer, x, NEW, eos_token_id=eos)
         assert torch.equal(out, expected), type(proposer).__name__
         assert int(out[0, -1]) == eos and (out[0, x.shape[1]:-1] != eos).all()

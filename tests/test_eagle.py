@@ -4,12 +4,11 @@ lossless decoding (chain and EAGLE-2 tree), checkpoints and the recipe entry poi
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import script
+from conftest import chi2_two_tokens, randomise, script, train_steps
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -43,8 +42,7 @@ def method(version: int, ttt_steps: int = 3, draft_ids=None, target=None, seed: 
     target = target or tiny_target()
     torch.manual_seed(seed)
     m = Eagle(target, EagleConfig(version=version, ttt_steps=ttt_steps, **kw), draft_ids)
-    for p in m.drafter.parameters():  # a random, non-trivial drafter (norm weights away from 1)
-        torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
+    randomise(m.drafter)
     return m.eval()
 
 
@@ -301,14 +299,7 @@ def test_a_trained_drafter_is_accepted_in_chain_and_tree():
     with torch.no_grad():
         text, _ = plain_generate(target.model, prompt, 40, eos_token_id=[])
     bt = {"input_ids": text, "loss_mask": torch.ones_like(text), "position_ids": torch.arange(text.shape[1])[None]}
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
-    m.train()
-    for _ in range(200):
-        loss, metrics = m.ttt(bt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    m.eval()
+    metrics = train_steps(m, m.ttt, bt)
     assert metrics["acc_0"] > 0.9 and metrics["cond_acc_1"] > 0.9
     for mode in ("chain", "tree"):
         spec, stats = speculative_generate(target.model, m.proposer(mode=mode, gamma=4, top_k=2, depth=4,
@@ -334,26 +325,10 @@ def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampled_output_has_the_targets_distribution(mode):
     """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
-    vocab, trials = 6, 1500
-    m = method(3, target=tiny_target(vocab=vocab, layers=2), draft_ids=torch.tensor([0, 2, 3, 5]))
+    m = method(3, target=tiny_target(vocab=6, layers=2), draft_ids=torch.tensor([0, 2, 3, 5]))
     m.drafter.lm_head.weight.data *= 4  # a peaked q: a second sibling's renormalised q differs a lot from q
-    model = m.target.model
-    prompt = torch.tensor([[1, 4, 2]])
-    with torch.no_grad():
-        p1 = torch.softmax(model(prompt).logits[0, -1], -1)  # [v]
-        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, 4]
-        p2 = torch.softmax(model(both).logits[:, -1], -1)  # [v, v]
-    expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(vocab * vocab)
-    proposer = m.proposer(mode=mode, gamma=2, top_k=3, depth=2, total_tokens=6)
-    for _ in range(trials):
-        out, _ = speculative_generate(model, proposer, prompt, 2, Sampling(temperature=1.0, generator=g),
-                                      eos_token_id=[])
-        counts[out[0, 3] * vocab + out[0, 4]] += 1
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    dof = vocab * vocab - 1
-    assert chi2 < dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    chi2, critical = chi2_two_tokens(m.target.model, m.proposer(mode=mode, gamma=2, top_k=3, depth=2, total_tokens=6))
+    assert chi2 < critical
 
 
 @pytest.mark.parametrize("version", [1, 3])

@@ -107,8 +107,10 @@ def metric_names(cfg: Recipe) -> list[str]:
 
 
 def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/eagle/tiny-code.yaml",
-         doc: str = __doc__) -> Loop:
-    cfg = C.from_command_line(Recipe, default_recipe, argv, doc)
+         doc: str = __doc__, recipe: type = Recipe, build=None) -> Loop:
+    """The EAGLE entry point; `recipe` (a Recipe with more sections) and `build(cfg, target, draft_ids) -> method`
+    let a variant of the method (train/p_eagle.py) reuse it."""
+    cfg = C.from_command_line(recipe, default_recipe, argv, doc)
     C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
 
     torch.manual_seed(cfg.loop.seed)
@@ -117,9 +119,9 @@ def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/e
     heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples, path=cfg.eval.heldout_path)
     draft_ids = draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
         if cfg.eagle.version == 3 else None
-    method = Eagle(target, cfg.eagle, draft_ids)
+    method = build(cfg, target, draft_ids) if build else Eagle(target, cfg.eagle, draft_ids)
     n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    print(f"EAGLE-{cfg.eagle.version}: {n_train / 1e6:.2f}M trainable, layers {method.layers or 'final'}, "
+    print(f"{type(method).__name__} (EAGLE-{cfg.eagle.version}): {n_train / 1e6:.2f}M trainable, layers {method.layers or 'final'}, "
           f"draft vocab {method.drafter.d2t.numel()}, {cfg.eagle.ttt_steps} TTT steps; "
           f"train rows {len(train)} ({'offline: ' + cfg.offline.path if cfg.offline.path else 'online'}); "
           f"held-out examples {len(heldout)}")

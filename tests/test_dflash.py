@@ -1,0 +1,176 @@
+"""DFlash: training blocks see what the one-forward proposer computes, greedy equality on several architectures,
+chi-square exactness at T=1, one drafter forward per step, checkpoints and the recipe entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from conftest import chi2_two_tokens, randomise, script, train_steps
+from test_decoding_generate import CONFIGS
+
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.proposers import Verified
+from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
+from draftsmith.decoding.verify import Sampling
+from draftsmith.models.dflash import DFlash, DFlashConfig, DFlashProposer, default_aux_layers, load_dflash
+from draftsmith.models.target import Target, load_target
+from draftsmith.train.config import ConfigError
+
+V = 96
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tiny(arch: str = "llama", vocab: int = V, layers: int = 4) -> Target:
+    torch.manual_seed(0)
+    config = CONFIGS[arch]() if arch != "llama" else T.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=None, bos_token_id=None)
+    return Target(T.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), None, "tiny")
+
+
+def method(target: Target | None = None, block_size: int = 5, num_layers: int = 2, seed: int = 1, **kw) -> DFlash:
+    target = target or tiny()
+    torch.manual_seed(seed)
+    m = DFlash(target, DFlashConfig(block_size=block_size, num_layers=num_layers, **kw), mask_token_id=3)
+    randomise(m.drafter)
+    return m.eval()
+
+
+def test_training_block_equals_what_the_proposer_computes():
+    """The block at anchor a in training = the proposer's block after committing tokens 0..a."""
+    m = method(block_size=5)
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(2))
+    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(12)[None]}
+    outs = []
+    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    tap = m.target.tap(ids, layers=tuple(m.layers))
+    for a in (1, 4, 9):
+        m.blocks(bt, anchors=torch.tensor([[a]]))
+        trained = outs[-1]  # [K+1, H]
+        p = m.proposer(gamma=4)
+        hidden = torch.stack([tap.layers[i][0, :a] for i in m.layers])  # [k, a, H]: positions 0..a-1
+        p.accept(ids[0, : a + 1], Verified(None, [], None, hidden))
+        p.propose(ids[0, : a + 1], Sampling())
+        torch.testing.assert_close(outs[-1], trained, atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_do_not_see_later_context_or_other_sequences():
+    m = method()
+    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(5))
+    packed = {"input_ids": ids, "loss_mask": torch.ones_like(ids),
+              "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
+    alone = {"input_ids": ids[:, 5:], "loss_mask": torch.ones_like(ids[:, 5:]), "position_ids": torch.arange(7)[None]}
+    outs = []
+    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    changed = {**packed, "input_ids": packed["input_ids"].clone()}
+    changed["input_ids"][0, 11] = (changed["input_ids"][0, 11] + 1) % V  # after the anchor's block
+    m.blocks(packed, anchors=torch.tensor([[8]]))
+    m.blocks(alone, anchors=torch.tensor([[3]]))
+    m.blocks(changed, anchors=torch.tensor([[8]]))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)  # the first sequence is not context
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-5, rtol=1e-5)  # nor anything from the anchor on
+
+
+def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():
+    m = method(block_size=3)
+    ids = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(6))
+    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(10)[None]}
+    outs = []
+    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    loss, metrics = m.blocks(bt, anchors=torch.tensor([[3, 6]]))
+    target = m.target.logits(m.target.tap(ids).hidden)[0]  # [s, V]
+    total = 0.0
+    for i in (1, 2):  # slot i of the block at anchor a drafts x_{a+i}: the target's distribution at a+i-1
+        ce = [-(torch.softmax(target[a + i - 1], -1) * torch.log_softmax(m.target.logits(outs[0][j * 3 + i]), -1)).sum()
+              for j, a in enumerate((3, 6))]
+        total += 0.8 ** (i - 1) * sum(ce) / 2
+        assert metrics[f"loss_{i - 1}"] == pytest.approx((sum(ce) / 2).item(), rel=1e-4)
+    torch.testing.assert_close(loss, total, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
+def test_greedy_decoding_equals_the_targets_own(arch):
+    m = method(tiny(arch), num_layers=1, aux_layers=[1, 2])
+    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(1))
+    spec, stats = speculative_generate(m.target.model, m.proposer(gamma=4), prompt, 24, eos_token_id=[])
+    plain, _ = plain_generate(m.target.model, prompt, 24, eos_token_id=[])
+    assert torch.equal(spec, plain) and stats.new_tokens == 24 and stats.drafted >= 4 * (stats.steps - 4)
+
+
+def test_one_drafter_forward_drafts_the_whole_block():
+    m = method(block_size=6)
+    calls = []
+    m.drafter.register_forward_hook(lambda mod, args, out: calls.append(out.shape[1]))
+    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(3))
+    _, stats = speculative_generate(m.target.model, m.proposer(), prompt, 20, eos_token_id=[])
+    assert calls == [6] * stats.steps  # one forward of the bonus + 5 mask slots per verification step
+
+
+def test_a_trained_dflash_drafts_the_targets_text():
+    target = tiny(layers=4)
+    target.lm_head.weight.data *= 10  # a peaked target
+    torch.manual_seed(0)
+    m = DFlash(target, DFlashConfig(block_size=4, num_layers=1, anchors=30), mask_token_id=0)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 3])
+    text, _ = plain_generate(target.model, prompt, 40, eos_token_id=[])
+    bt = {"input_ids": text, "loss_mask": torch.ones_like(text), "position_ids": torch.arange(text.shape[1])[None]}
+    metrics = train_steps(m, m.blocks, bt)
+    assert metrics["acc_0"] > 0.75 and metrics["acc_2"] > 0.6  # drafted without the anchor's own feature
+    spec, stats = speculative_generate(target.model, m.proposer(), prompt, 40, eos_token_id=[])
+    assert torch.equal(spec, text) and stats.tau > 2, stats.tau
+
+
+def test_sampled_output_has_the_targets_distribution():
+    """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
+    m = method(tiny(vocab=6, layers=2), block_size=3, num_layers=1, aux_layers=[1])
+    chi2, critical = chi2_two_tokens(m.target.model, m.proposer())
+    assert chi2 < critical
+
+
+def test_checkpoint_round_trip_and_decoder_loading(tmp_path):
+    m = method()
+    m.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "drafter.json").read_text())
+    assert meta["method"] == "dflash" and meta["mask_token_id"] == 3 and meta["block_size"] == 5
+    back = load_dflash(tmp_path, m.target)
+    for k, v in m.drafter.state_dict().items():
+        assert torch.equal(v, back.drafter.state_dict()[k]), k
+    proposer = decoder_load_proposer(str(tmp_path), m.target.model)
+    assert isinstance(proposer, DFlashProposer) and proposer.gamma == 4
+    prompt = torch.randint(0, V, (1, 5))
+    spec, _ = speculative_generate(m.target.model, proposer, prompt, 10, eos_token_id=[])
+    assert torch.equal(spec, plain_generate(m.target.model, prompt, 10, eos_token_id=[])[0])
+
+
+def test_default_layers_and_config_checks():
+    assert default_aux_layers(36, 1) == [19] and default_aux_layers(36, 5) == [2, 10, 18, 26, 34]  # outputs + 1
+    assert default_aux_layers(8, 1) == [5]
+    with pytest.raises(ConfigError, match="aux_layers"):
+        DFlash(tiny(), DFlashConfig(aux_layers=[1, 1]))
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        DFlash(tiny(), DFlashConfig(), mask_token_id=V)
+    with pytest.raises(ConfigError, match="block_size"):
+        DFlashConfig(block_size=1)
+
+
+def test_recipe_trains_measures_tau_and_keeps_a_loadable_best(tiny_chat_target, tmp_path):
+    out = tmp_path / "run"
+    script("train/dflash.py").main([
+        "--config", str(REPO / "recipes/dflash/tiny-code.yaml"), f"target.path={tiny_chat_target}",
+        f"loop.output_dir={out}", "data.limit=40", "data.max_length=160", "data.cache=false",
+        "eval.heldout_examples=12", "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2",
+        "loop.log_every=1", "loop.max_steps=4", "loop.save_every=2", "loop.lr=3e-3", "dflash.aux_layers=[1,2,3]"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tau" in r]
+    assert len(evals) == 2 and all(r["eval/tau"] >= 1 and 1 <= r["eval/expected_tau"] <= 6 for r in evals)
+    assert all("eval/heldout_cond_acc_4" in r for r in evals) and any("loss_4" in r for r in rows)
+    target = load_target(tiny_chat_target)
+    assert json.loads((out / "best" / "drafter.json").read_text())["mask_token_id"] == target.tokenizer.pad_token_id
+    proposer = decoder_load_proposer(str(out / "best"), target.model)
+    ids = target.tokenizer("def f(x):\n    return", return_tensors="pt")["input_ids"]
+    spec, _ = speculative_generate(target.model, proposer, ids, 12, eos_token_id=[])
+    assert torch.equal(spec, plain_generate(target.model, ids, 12, eos_token_id=[])[0])

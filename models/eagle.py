@@ -133,7 +133,8 @@ def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> Llam
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
         hidden_act="silu", tie_word_embeddings=False)
-    config.draft_vocab_size, config.target_hidden_size, config.fc_norm = draft_vocab_size, H, cfg.fc_norm
+    config.draft_vocab_size, config.target_hidden_size = draft_vocab_size, H
+    config.fc_norm = getattr(cfg, "fc_norm", False)  # EAGLE-3 only (DFlash builds its layers from the same config)
     config._attn_implementation = "sdpa"
     return config
 

@@ -50,6 +50,7 @@ end of the command is recorded in the settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -66,6 +67,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.cost import expected_tokens, predicted_speedup, relative, verify_cost_curve
 from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.metrics import DecodeStats
@@ -86,6 +88,7 @@ from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
 from draftsmith.models.p_eagle import PEagleProposer
 from draftsmith.models.target import REFERENCE_TARGET, Target
+from draftsmith.models.zoo import resolve_target
 from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,6 +208,14 @@ METHODS = [
     Method("distill", "distilled draft model", _distill, "train/distill.py", "recipes/distill/tiny-code.yaml"),
 ]
 BY_KEY = {m.key: m for m in METHODS}
+RECIPES = {"smollm2-135m-instruct": "smollm2-135m"}  # named target -> its recipes' name (recipes/<method>/*NAME.yaml)
+
+
+def for_target(method: Method, target: str) -> Method:
+    """The method with the recipe written for a named target (the reference target's otherwise)."""
+    name = RECIPES.get(target)
+    return dataclasses.replace(method, recipe=method.recipe.replace("tiny-code", name)) if name and method.recipe \
+        else method
 
 
 def unavailable(method: Method) -> str | None:
@@ -308,20 +319,18 @@ def measure(verifier, make: Callable[[], Proposer], prompts: list[torch.Tensor],
             "greedy_matches_target": matches if temperature == 0 else None}, spec
 
 
-def predicted_speedup(alpha: float, c: float, gamma: int) -> float:
-    """Expected tokens per step over its cost in target forwards: (1 - a^(g+1)) / ((1 - a)(1 + g c))."""
-    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (1 + gamma * c)
-
-
-def speedup_model(stats: DecodeStats, gamma: int, max_gamma: int) -> dict:
-    """alpha and c from one chain evaluation; predicted speedup for each gamma; gamma* its argmax."""
+def speedup_model(stats: DecodeStats, gamma: int, max_gamma: int, rel: dict[int, float], plain_step_s: float) -> dict:
+    """alpha and c from one chain evaluation; predicted speedup for each gamma with each step priced by the
+    target's verify-cost curve `rel` (decoding/cost.py) and the drafter's cost per token relative to a plain
+    decoding step (`c_plain`); gamma* its argmax. `predicted_speedup_flat` is the classic model, which prices a
+    verification as one plain step and c against the verification forward (about right on a GPU)."""
     alpha = sum(stats.passed.values()) / max(1, sum(stats.reached.values()))
     c = drafting_cost(stats.summary()) or 0.0
-    predicted = {g: predicted_speedup(alpha, c, g) for g in GAMMAS if g <= max_gamma}
+    c_plain = stats.drafter_s / max(1, stats.drafted) / plain_step_s
+    predicted = {g: predicted_speedup(alpha, c_plain, g, rel) for g in GAMMAS if g <= max_gamma}
     best = max(predicted, key=predicted.get)
-    tau = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return {"alpha": alpha, "c": c, "gamma": gamma, "predicted_tau": tau, "predicted_speedup": predicted[gamma],
+    return {"alpha": alpha, "c": c, "c_plain": c_plain, "gamma": gamma, "predicted_tau": expected_tokens(alpha, gamma),
+            "predicted_speedup": predicted[gamma], "predicted_speedup_flat": predicted_speedup(alpha, c, gamma),
             "predicted_by_gamma": {str(g): s for g, s in predicted.items()}, "gamma_star": best,
             "predicted_at_gamma_star": predicted[best]}
 
@@ -333,7 +342,8 @@ def count_params(modules: list[nn.Module], verifier: nn.Module) -> tuple[int, in
     return sum(params.values()), sum(n for ptr, n in params.items() if ptr not in shared)
 
 
-def evaluate_method(variants: dict[str, Drafting], prompts, max_new_tokens: int, seed: int) -> dict:
+def evaluate_method(variants: dict[str, Drafting], prompts, max_new_tokens: int, seed: int,
+                    rel: dict[int, float]) -> dict:
     out = {}
     for name, d in variants.items():
         make = functools.partial(d.proposer, d.gamma)
@@ -346,7 +356,8 @@ def evaluate_method(variants: dict[str, Drafting], prompts, max_new_tokens: int,
             print(f"    {name} T={temperature:g}: tau {result['tau']:.3f} speedup {result['speedup']:.2f}x"
                   + (f" greedy==target {result['greedy_matches_target']}" if temperature == 0 else ""), flush=True)
             if temperature == 0 and d.gamma is not None:
-                model = speedup_model(stats, d.gamma, d.max_gamma)
+                model = speedup_model(stats, d.gamma, d.max_gamma, rel,
+                                      result["plain_wall_s"] / result["plain_new_tokens"])
                 model["measured_speedup"] = result["speedup"]
                 if model["gamma_star"] != d.gamma:
                     star, _ = measure(verifier, functools.partial(d.proposer, model["gamma_star"]), prompts,
@@ -513,7 +524,7 @@ def run_method(method: Method, args, target, prompts) -> dict:
         found = given or next((c for c in candidates if has_drafter(c)), None)
         wall = None
         if found is None:
-            wall = train(method, run, args.budget_minutes, str(args.target), args.override, args.train_threads)
+            wall = train(method, run, args.budget_minutes, args.target_as_given, args.override, args.train_threads)
             found = run
         drafter_dir = find_drafter(found)
         entry["training"] = {**training_record(found, drafter_dir, method.curve), "reused": wall is None,
@@ -521,7 +532,7 @@ def run_method(method: Method, args, target, prompts) -> dict:
     start = time.perf_counter()
     variants = method.build(drafter_dir, target)
     entry["verifier"] = "target" if all(v.verifier is target for v in variants.values()) else "own trained backbone"
-    entry["variants"] = evaluate_method(variants, prompts, args.max_new_tokens, args.seed)
+    entry["variants"] = evaluate_method(variants, prompts, args.max_new_tokens, args.seed, args.verify_cost)
     entry["eval_seconds"] = time.perf_counter() - start
     return {**entry, "status": "ok"}
 
@@ -554,8 +565,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--methods", nargs="+", choices=list(BY_KEY), default=list(BY_KEY))
     parser.add_argument("--budget-minutes", type=float, default=5.0, help="training time per method (loop.max_minutes)")
     parser.add_argument("--reuse", action="store_true", help="evaluate existing runs instead of training")
-    parser.add_argument("--target", type=Path, default=REFERENCE_TARGET)
-    parser.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
+    parser.add_argument("--target", default=str(REFERENCE_TARGET),
+                        help=f"an HF model directory or a named target ({', '.join(RECIPES)})")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="default: the reference held-out prompts; data/real/NAME/heldout_prompts.jsonl for a named target")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
@@ -579,8 +592,12 @@ def main(argv: list[str] | None = None) -> dict:
     args.run = {k: Path(v) for k, v in args.run.items()}
     if args.budget_minutes <= 0:
         raise SystemExit("--budget-minutes must be > 0")
+    args.target_as_given, args.target = args.target, Path(resolve_target(args.target))
     if not (args.target / "config.json").is_file():
         raise SystemExit(f"--target {args.target}: no config.json there; pass a Hugging Face model directory")
+    named = args.target_as_given in RECIPES
+    args.prompts = args.prompts or (REPO / "data" / "real" / args.target_as_given / "heldout_prompts.jsonl" if named
+                                    else PROMPTS_PATH)
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -588,9 +605,14 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target).eval()
     prompts = render_prompts(tokenizer, load_prompts(args.prompts, limit=args.num_prompts))
+    curve = verify_cost_curve(target)
+    args.verify_cost = relative(curve)
     board = {"settings": {
         "command": " ".join(["python scripts/bench.py", *(argv if argv is not None else sys.argv[1:])]),
-        "target": str(args.target), "prompts": str(args.prompts), "num_prompts": len(prompts),
+        "target": args.target_as_given, "target_dir": str(args.target), "prompts": str(args.prompts),
+        "num_prompts": len(prompts), "recipes": RECIPES.get(args.target_as_given, "tiny-code"),
+        "verify_cost": {"seconds": {str(k): v for k, v in curve.items()},
+                        "relative": {str(k): v for k, v in args.verify_cost.items()}},
         "max_new_tokens": args.max_new_tokens, "temperatures": list(TEMPERATURES), "seed": args.seed,
         "budget_minutes": args.budget_minutes, "reuse": args.reuse, "overrides": args.override,
         "device": "CPU", "torch_threads": torch.get_num_threads(), "train_threads": args.train_threads or "torch default",
@@ -598,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
         "git_commit": _git("rev-parse", "HEAD"), "git_modified": _git("diff", "--name-only", "HEAD").split()},
         "methods": {}}
     for key in args.methods:
-        method = BY_KEY[key]
+        method = for_target(BY_KEY[key], args.target_as_given)
         print(f"[{key}] {method.name}", flush=True)
         try:
             board["methods"][key] = run_method(method, args, target, prompts)

@@ -36,6 +36,7 @@ import torch
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding import DecodeStats, plain_generate, speculative_generate
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.cost import predicted_speedup
 from draftsmith.decoding.evaluate import baseline, evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
 from draftsmith.models.distill import DistillConfig, build_draft
@@ -132,11 +133,6 @@ def alpha_from_tau(tau: float, gamma: int) -> float:
     return lo
 
 
-def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Leviathan et al. 2023, Theorem 3.8: (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c))."""
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (1 + gamma * c))
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant (the training budget)")
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     cost = cost_ratio(target.model, drafts[best], prompts)
     sweep = gamma_sweep(target.model, drafts[best], prompts, args.max_new_tokens, args.gammas)
     alpha = alpha_from_tau(results[best]["tau_greedy"], args.gamma)
-    predicted = {g: round(predicted_speedup(alpha, g, cost["c"]), 3) for g in range(1, max(args.gammas) + 1)}
+    predicted = {g: round(predicted_speedup(alpha, cost["c"], g), 3) for g in range(1, max(args.gammas) + 1)}
     out["gamma"] = {"draft": best, "cost_ratio": cost, "alpha": round(alpha, 4),
                     "alpha_from": f"tau greedy at gamma {args.gamma}, assuming i.i.d. acceptance",
                     "predicted_speedup": predicted, "predicted_best_gamma": max(predicted, key=predicted.get),

@@ -26,14 +26,18 @@ def test_predicted_speedup_matches_hand_values():
 def test_speedup_model_reads_alpha_and_c_from_the_decode_statistics():
     stats = DecodeStats(steps=10, drafted=40, drafter_s=0.2, target_s=1.0,
                         reached=Counter({1: 10, 2: 6, 3: 3}), passed=Counter({1: 6, 2: 3, 3: 1}))
-    m = bench().speedup_model(stats, gamma=4, max_gamma=8)
+    rel = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}  # a CPU-like verify-cost curve
+    m = bench().speedup_model(stats, gamma=4, max_gamma=8, rel=rel, plain_step_s=0.05)
     alpha, c = 10 / 19, (0.2 / 40) / (1.0 / 10)  # accepted / offered positions; 5 ms per drafted token / 100 ms
-    assert m["alpha"] == pytest.approx(alpha) and m["c"] == pytest.approx(c)
-    by_hand = {g: (1 - alpha ** (g + 1)) / ((1 - alpha) * (1 + g * c)) for g in range(1, 9)}
+    c_plain = (0.2 / 40) / 0.05  # 5 ms per drafted token / a 50 ms plain step
+    assert m["alpha"] == pytest.approx(alpha) and m["c"] == pytest.approx(c) and m["c_plain"] == pytest.approx(c_plain)
+    v = {2: 1.2, 3: 1.4, 4: 1.6, 5: 1.8, 6: 2.0, 7: 2.2, 8: 2.4, 9: 2.6}  # v(k), interpolated and extrapolated
+    by_hand = {g: (1 - alpha ** (g + 1)) / (1 - alpha) / (v[g + 1] + g * c_plain) for g in range(1, 9)}
     assert m["predicted_speedup"] == pytest.approx(by_hand[4])
+    assert m["predicted_speedup_flat"] == pytest.approx((1 - alpha ** 5) / ((1 - alpha) * (1 + 4 * c)))
     assert m["predicted_tau"] == pytest.approx((1 - alpha ** 5) / (1 - alpha))
-    assert m["gamma_star"] == max(by_hand, key=by_hand.get) == 3
-    assert bench().speedup_model(stats, gamma=2, max_gamma=2)["gamma_star"] <= 2  # Medusa: no more heads than it has
+    assert m["gamma_star"] == max(by_hand, key=by_hand.get) == 1  # on this curve every extra draft costs more than it brings
+    assert bench().speedup_model(stats, 2, 2, rel, 0.05)["gamma_star"] <= 2  # Medusa: no more heads than it has
 
 
 def test_unavailable_method_is_reported_not_raised():

@@ -289,5 +289,5 @@ def test_bench_alpha_and_predicted_speedup():
     for alpha in (0.0, 0.3, 0.8):
         tau = sum(alpha ** k for k in range(5))  # expected tokens per step at gamma 4 with i.i.d. acceptance alpha
         assert bench.alpha_from_tau(tau, 4) == pytest.approx(alpha, abs=1e-6)
-        assert bench.predicted_speedup(alpha, 4, 0.0) == pytest.approx(tau)
-    assert bench.predicted_speedup(0.8, 4, 0.25) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))
+        assert bench.predicted_speedup(alpha, 0.0, 4) == pytest.approx(tau)
+    assert bench.predicted_speedup(0.8, 0.25, 4) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))

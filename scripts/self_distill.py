@@ -7,7 +7,7 @@ Prompts come from data/prompts.py (code from the stdlib, arithmetic and word pro
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
 turn. The target answers each one through scripts/regenerate.py's batched generation (held-out prompts
 first), appending to `runs/self_distill/NAME/answers.jsonl`, so an interrupted run resumes where it
-stopped. `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
+stopped (a fresh checkout resumes from the data already finalized into data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
 settings, counts, the target's provenance, time spent, the command) from the answers written so far.
 """
 
@@ -63,6 +63,20 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
     return settings
 
 
+def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
+    """Start a fresh work directory from data already finalized into `out` (a later session resumes there)."""
+    parts = [out / f"{split}.jsonl.gz" for split in ("heldout", "train")]
+    if not all(p.is_file() for p in parts):
+        return
+    with open(answers, "w") as fh:
+        for p in parts:
+            with gzip.open(p, "rt", encoding="utf-8") as src:
+                fh.writelines(src)
+    settings = json.loads((out / "settings.json").read_text())
+    timing.write_text(json.dumps({"seconds": settings.get("regeneration_seconds", 0.0)}))
+    log.info("self_distill: resuming from the %s answers committed in %s", sum(settings["answered"].values()), out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="a named target (models/zoo.py) or an HF model directory")
@@ -97,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [json.loads(line) for line in open(prompts_file)]
     rows.sort(key=lambda r: r["split"] != "heldout")  # held-out first: evaluation needs them before training
     answers = work / "answers.jsonl"
+    if not answers.is_file():
+        seed_from_committed(out, answers, work / "timing.json")
     done = read_done(answers)
     todo = [r for r in rows if r["id"] not in done]
     log.info("self_distill: %d of %d prompts to answer (%s)", len(todo), len(rows), answers)

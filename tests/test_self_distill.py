@@ -52,3 +52,9 @@ def test_self_distill_answers_resumes_and_finalizes(tiny_chat_target, tmp_path):
     prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")
     assert len(prompts) == settings["answered"]["heldout"]
     assert all(p["messages"][-1]["role"] == "user" for p in prompts)
+    # A fresh checkout (no work directory) resumes from the committed data: nothing is answered twice.
+    fresh = [a if a != str(tmp_path / "work") else str(tmp_path / "work2") for a in args]
+    sd.main(fresh)
+    again = [json.loads(line) for line in open(tmp_path / "work2" / "answers.jsonl")]
+    assert sorted(r["id"] for r in again) == sorted(r["id"] for r in answers)
+    assert json.loads((tmp_path / "work2" / "timing.json").read_text())["seconds"] == settings["regeneration_seconds"]

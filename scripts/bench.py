@@ -540,12 +540,20 @@ def run_method(method: Method, args, target, prompts) -> dict:
 SAME = ("target", "prompts", "num_prompts", "max_new_tokens", "temperatures", "seed", "budget_minutes", "torch_threads")
 
 
+def _portable(value):
+    """The reference target and prompts as paths inside the checkout, so that checkouts elsewhere compare equal."""
+    for rel in (REFERENCE_TARGET.relative_to(REPO), PROMPTS_PATH.relative_to(REPO)):
+        if isinstance(value, str) and Path(value).parts[-len(rel.parts):] == rel.parts:
+            return str(rel)
+    return value
+
+
 def merged(board: dict, out: Path) -> dict:
     """`board`'s methods over those of the leaderboard already at `out`, which must share its settings."""
     if not out.is_file():
         return board
     old = json.loads(out.read_text())
-    differ = [k for k in SAME if old["settings"].get(k) != board["settings"][k]]
+    differ = [k for k in SAME if _portable(old["settings"].get(k)) != _portable(board["settings"][k])]
     if differ:
         raise SystemExit(f"--merge: {out} was measured with other {', '.join(differ)}; run without --merge")
     for entry in old["methods"].values():

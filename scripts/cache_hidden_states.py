@@ -2,7 +2,7 @@
 
     python scripts/cache_hidden_states.py --config recipes/eagle3/tiny-code.yaml [key=value ...] --out DIR
 
-Reads the same recipe as train/eagle.py (same target, same data pipeline, same overrides), stores only
+Reads the same recipe as train/eagle.py or train/p_eagle.py (same target, data pipeline, overrides), stores only
 the layers the method reads (EAGLE-1: the final hidden state; EAGLE-3: that plus `eagle.aux_layers`, or
 the EAGLE default), prints the disk estimate first and refuses when the disk cannot hold it, and
 resumes an interrupted run when called again with the same arguments. Layout: data/hidden_cache.py.
@@ -21,7 +21,7 @@ from draftsmith.data.hidden_cache import CacheError, write_cache
 from draftsmith.models.eagle import aux_layers
 from draftsmith.models.target import load_target
 from draftsmith.train import config as C
-from draftsmith.train.eagle import Recipe
+from draftsmith.train.p_eagle import Recipe  # EAGLE's + a p_eagle section: reads EAGLE and P-EAGLE recipes
 
 REPO = Path(__file__).resolve().parent.parent
 

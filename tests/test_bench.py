@@ -40,6 +40,13 @@ def test_speedup_model_reads_alpha_and_c_from_the_decode_statistics():
     assert bench().speedup_model(stats, 2, 2, rel, 0.05)["gamma_star"] <= 2  # Medusa: no more heads than it has
 
 
+def test_merge_compares_the_reference_target_and_prompts_by_their_place_in_the_checkout():
+    portable = bench()._portable
+    assert portable("/work/main/models/reference-target") == portable("/tmp/x/models/reference-target")
+    assert portable("/a/data/reference_prompts.jsonl") == "data/reference_prompts.jsonl"
+    assert portable("/a/my-target") == "/a/my-target" and portable(20) == 20  # anything else compares as it is
+
+
 def test_unavailable_method_is_reported_not_raised():
     b = bench()
     missing = b.Method("nope", "Nope", None, "train/nope.py", "recipes/nope.yaml")

@@ -68,11 +68,13 @@ def test_blocks_do_not_see_later_context_or_other_sequences():
     m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
     changed = {**packed, "input_ids": packed["input_ids"].clone()}
     changed["input_ids"][0, 11] = (changed["input_ids"][0, 11] + 1) % V  # after the anchor's block
-    m.blocks(packed, anchors=torch.tensor([[8]]))
-    m.blocks(alone, anchors=torch.tensor([[3]]))
-    m.blocks(changed, anchors=torch.tensor([[8]]))
+    earlier = {**packed, "input_ids": packed["input_ids"].clone()}
+    earlier["input_ids"][0, 6] = (earlier["input_ids"][0, 6] + 1) % V  # in the anchor's context
+    for bt, anchor in ((packed, 8), (alone, 3), (changed, 8), (earlier, 8)):
+        m.blocks(bt, anchors=torch.tensor([[anchor]]))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)  # the first sequence is not context
     torch.testing.assert_close(outs[0], outs[2], atol=1e-5, rtol=1e-5)  # nor anything from the anchor on
+    assert (outs[0] - outs[3]).abs().max() > 1e-3  # while the context before the anchor is read
 
 
 def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():

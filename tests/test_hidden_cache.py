@@ -149,14 +149,14 @@ def test_a_cache_of_another_target_or_other_layers_is_refused(target, rows, tmp_
     assert manifest["layers"] == LAYERS and manifest["target"] == str(target.path)
 
 
-def train(*extra: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Per-step losses (metrics.jsonl, 6 decimals) and final drafter weights of a short train/eagle.py run."""
-    loop = script("train/eagle.py").main(list(extra))
+def train(*extra: str, entry: str = "train/eagle.py") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses (metrics.jsonl, 6 decimals) and final drafter weights of a short run of an EAGLE entry script."""
+    loop = script(entry).main(list(extra))
     lines = (loop.run_dir / "metrics.jsonl").read_text().splitlines()
     return [row["loss"] for row in map(json.loads, lines) if "loss" in row], loop.unwrapped.drafter.state_dict()
 
 
-@pytest.mark.parametrize("recipe", ["eagle3/tiny-code.yaml", "eagle/tiny-code.yaml"])
+@pytest.mark.parametrize("recipe", ["eagle3/tiny-code.yaml", "eagle/tiny-code.yaml", "p_eagle/tiny-code.yaml"])
 def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, tmp_path, recipe):
     """Same seed, same batch order: an fp32 cache reproduces online training to the last logged digit (a bf16
     cache is off by ~3e-5 relative here, which these tolerances reject)."""
@@ -168,9 +168,10 @@ def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, 
     m = script("scripts/cache_hidden_states.py").main([*config, *common, "--out", str(tmp_path / "cache"),
                                                        "--dtype", "float32", "--shard-tokens", "200"])
     assert len(m["shards"]) > 1
-    online, w_online = train(*config, *common, f"loop.output_dir={tmp_path / 'online'}")
+    entry = "train/p_eagle.py" if recipe.startswith("p_eagle") else "train/eagle.py"
+    online, w_online = train(*config, *common, f"loop.output_dir={tmp_path / 'online'}", entry=entry)
     offline, w_offline = train(*config, *common, f"loop.output_dir={tmp_path / 'offline'}",
-                               f"offline.path={tmp_path / 'cache'}")
+                               f"offline.path={tmp_path / 'cache'}", entry=entry)
     assert len(online) == 5 and len(set(online)) == 5
     torch.testing.assert_close(offline, online, rtol=0, atol=2e-6)
     torch.testing.assert_close(w_offline, w_online, rtol=1e-5, atol=1e-6)

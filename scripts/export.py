@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> Path:
         src = find_drafter(args.run)
         method = drafter_method(src)
         out = export(src, args.fmt, args.out, overwrite=args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (OSError, ValueError) as e:  # missing or taken paths, a full disk, a format that does not fit
         sys.exit(f"export: {e}")
     print(f"exported {src} ({method}) as {args.fmt} ({formats(method)[args.fmt].help}) to {out}")
     return out

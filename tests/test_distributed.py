@@ -27,6 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.train.guard import write_manifest
+
 REPO = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5  # loss curves, 2 processes vs 1 with the same global batch
 WEIGHT_ATOL = 1e-6  # trainable weights after 4 steps
@@ -265,6 +267,7 @@ def test_deepspeed_checkpoint_refuses_another_world_size(tiny_chat_target, tmp_p
            config_file="recipes/accelerate/zero2.yaml")
     state = run / "checkpoint-2" / "state.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), "world_size": 2}))
+    write_manifest(state.parent)  # as 2 processes would have written it (an edited checkpoint no longer verifies)
     done = launch("medusa1", tiny_chat_target, run, 1, "loop.batch_size=2", "loop.max_steps=4",
                   config_file="recipes/accelerate/zero2.yaml", check=False)
     assert done.returncode != 0

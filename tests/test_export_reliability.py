@@ -51,15 +51,14 @@ def exports(runs, root: Path):
 def test_every_export_records_the_target_as_an_absolute_path_and_as_given(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # exported and read back away from the repository
     absolute = str(REFERENCE_TARGET.resolve())
-    for name in ("medusa", "eagle3", "distill"):
+    for name in ("medusa", "eagle3", "distill", "layerskip"):
         meta = json.loads((runs[name] / "best" / "drafter.json").read_text())
         assert (meta["target"], meta["target_as_given"]) == (absolute, GIVEN), name
     for name, fmt, out in exports(runs, tmp_path):
         side = json.loads((out / EXPORT_FILE).read_text())
         assert side["method"] == json.loads((runs[name] / "best" / "drafter.json").read_text())["method"]
         assert side["format"] == fmt and side["drafter"] == str((runs[name] / "best").resolve())
-        if name != "layerskip":  # a LayerSkip export is the target itself
-            assert (side["target"], side["target_as_given"]) == (absolute, GIVEN), (name, fmt)
+        assert (side["target"], side["target_as_given"]) == (absolute, GIVEN), (name, fmt)
         config = json.loads((out / "config.json").read_text())
         if name == "medusa" and fmt in ("medusa", "tgi", "vllm"):
             assert config["base_model_name_or_path"] == absolute

@@ -22,7 +22,7 @@ from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
-from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.models.target import TargetConfig, load_target, target_fields
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
@@ -120,16 +120,18 @@ def main(argv: list[str] | None = None) -> Loop:
     best = loop.run_dir / "best"
     if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:
         record_exit_layer(best, {E: json.loads((best / "best.json").read_text())[f"tau_exit{E}"]
-                                 for E in cfg.eval.exit_layers})
+                                 for E in cfg.eval.exit_layers}, target_fields({"target": target.path,
+                                                                                "target_as_given": target.given}))
     return loop
 
 
-def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float]) -> int:
+def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float], origin: dict | None = None) -> int:
     """Write the best exit layer where decoders look for it: drafter.json and generation_config.json
-    (`assistant_early_exit`, which transformers' generate uses for self-speculation)."""
+    (`assistant_early_exit`, which transformers' generate uses for self-speculation). `origin`: the target it was
+    trained from, as every drafter.json records it (`target_fields`)."""
     exit_layer = max(tau_by_exit, key=tau_by_exit.get)
     (model_dir / "drafter.json").write_text(json.dumps(
-        {"method": "layerskip", "exit_layer": exit_layer, "tau_by_exit": tau_by_exit}, indent=2))
+        {"method": "layerskip", "exit_layer": exit_layer, "tau_by_exit": tau_by_exit, **(origin or {})}, indent=2))
     gen = GenerationConfig.from_pretrained(model_dir)
     gen.assistant_early_exit = exit_layer
     gen.save_pretrained(model_dir)

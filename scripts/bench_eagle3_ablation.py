@@ -170,8 +170,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory:
         board["memory"] = memory()
     save(board, args.out)
+    print(table(board))
     print(f"wrote {args.out}")
     return board
+
+
+def table(board: dict) -> str:
+    """The variants as a Markdown table (the README's)."""
+    lines = ["| variant | overrides | steps | tau T=0 chain | tau T=0 tree | tau T=1 chain | tau T=1 tree |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in board["variants"].items():
+        lines.append(f"| {name} | {' '.join(v['overrides']) or v['method'] + ' recipe'} | {v['steps']} | {v['chain']['T0']['tau']:.2f} "
+                     f"| {v['tree']['T0']['tau']:.2f} | {v['chain']['T1']['tau']:.2f} | {v['tree']['T1']['tau']:.2f} |")
+    return "\n".join(lines)
 
 
 def save(board: dict, out: Path) -> None:

@@ -258,9 +258,13 @@ class Eagle(nn.Module):
         config = draft_config(target.config, cfg, draft_ids.numel())
         self.drafter = EagleDrafter(config, cfg.version, draft_ids, max(1, len(self.layers))).to(target.lm_head.weight)
         if cfg.version == 3 and cfg.head_init != "random":  # the target's head rows of the draft vocabulary
-            with torch.no_grad():
-                self.drafter.lm_head.weight.copy_(target.lm_head.weight[self.drafter.draft_ids])  # [Vd, H]
-            self.drafter.lm_head.weight.requires_grad_(cfg.head_init == "trainable")
+            rows = target.lm_head.weight.detach()[self.drafter.draft_ids].clone()  # [Vd, H]
+            head = self.drafter.lm_head
+            if cfg.head_init == "frozen":  # a buffer: no gradient, and whole on every rank under FSDP2 for exports
+                del head.weight
+                head.register_buffer("weight", rows)
+            else:
+                head.weight.data.copy_(rows)
         self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
 
     # ---- features ----------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> 
 
 
 MEMORY_STEP = """
-import json, sys, torch
+import ctypes, json, sys, torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from draftsmith.models.eagle import Eagle, EagleConfig
 from draftsmith.models.target import Target
@@ -104,6 +104,7 @@ b, s = 2, 512
 batch = {"input_ids": torch.randint(0, vocab, (b, s)), "loss_mask": torch.ones(b, s, dtype=torch.long)}
 def kib(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system: RSS = live memory
 before = kib("VmRSS")
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
 loss, _ = m(batch)
@@ -115,17 +116,22 @@ print(json.dumps({"target_vocab": vocab, "logit_chunk": chunk, "tokens": b * s, 
 """
 
 
+# glibc: large blocks always mmapped and unmapped when freed, so RSS follows the live tensors (not a reused heap)
+ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def memory() -> dict:
     rows = []
     for vocab in (32768, 262144):
         for chunk in (0, 64):
-            done = subprocess.run([sys.executable, "-c", MEMORY_STEP, str(vocab), str(chunk)], cwd=REPO,
+            done = subprocess.run([sys.executable, "-c", MEMORY_STEP, str(vocab), str(chunk)], cwd=REPO, env=ENV,
                                   capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"memory: {rows[-1]}", flush=True)
     return {"setup": "one EAGLE-3 training step (forward + backward, ttt_steps 5, draft vocabulary 32000) on a random "
                      "Gemma-3-shaped target (Gemma3ForCausalLM: hidden 640, 4 layers, tied embeddings), batch 2 x "
-                     "512 tokens, fp32 on CPU, each in a fresh process; peak RSS during the step above RSS before it",
+                     "512 tokens, fp32 on CPU, each in a fresh process (glibc MALLOC_MMAP_THRESHOLD_=131072, malloc_trim before "
+                     "the step); peak RSS during the step above RSS before it",
             "rows": rows}
 
 
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     board = json.loads(args.out.read_text()) if args.out.is_file() else {}
     board.setdefault("variants", {})
-    board["settings"] = {
+    board["settings" if args.variants else "memory_settings"] = {
         "command": " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
         "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS,
@@ -170,13 +176,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory:
         board["memory"] = memory()
     save(board, args.out)
+    print(table(board))
     print(f"wrote {args.out}")
     return board
 
 
+def table(board: dict) -> str:
+    """The variants as a Markdown table (the README's)."""
+    lines = ["| variant | overrides | steps | tau T=0 chain | tau T=0 tree | tau T=1 chain | tau T=1 tree |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in board["variants"].items():
+        lines.append(f"| {name} | {' '.join(v['overrides']) or v['method'] + ' recipe'} | {v['steps']} | {v['chain']['T0']['tau']:.2f} "
+                     f"| {v['tree']['T0']['tau']:.2f} | {v['chain']['T1']['tau']:.2f} | {v['tree']['T1']['tau']:.2f} |")
+    return "\n".join(lines)
+
+
 def save(board: dict, out: Path) -> None:
+    """Write `board` over `out`, keeping the variants (and memory figures) another run of this script wrote there."""
+    disk = json.loads(out.read_text()) if out.is_file() else {}
+    board["variants"] = {**disk.get("variants", {}), **board["variants"]}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(board, indent=1) + "\n")
+    out.write_text(json.dumps({**disk, **board}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,12 @@ from draftsmith.models.zoo import resolve_target
 REPO = Path(__file__).resolve().parent.parent
 
 
+def shown(path: str) -> str:
+    """A path inside the checkout as relative to it (the JSON is committed), any other as given."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else path
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True)
@@ -43,8 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = Path(resolve_target(args.target))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = render_prompts(tokenizer, load_prompts(
-        Path(args.prompts or REPO / "data" / "real" / name / "heldout_prompts.jsonl"), args.num_prompts))
+    args.prompts = args.prompts or str(REPO / "data" / "real" / name / "heldout_prompts.jsonl")
+    prompts = render_prompts(tokenizer, load_prompts(Path(args.prompts), args.num_prompts))
 
     t0 = time.perf_counter()
     new = 0
@@ -58,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
         else None,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "plain_greedy": {"tokens": new, "seconds": round(plain_s, 2), "tokens_per_s": round(new / plain_s, 2),
-                         "prompts": len(prompts)},
+                         "prompts": len(prompts), "prompts_file": shown(args.prompts),
+                         "max_new_tokens": args.max_new_tokens},
         "verify_cost": {"context": args.context, "seconds": {str(k): round(s, 5) for k, s in curve.items()},
                         "relative": {str(k): round(v, 3) for k, v in relative(curve).items()}},
         "threads": args.threads, "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

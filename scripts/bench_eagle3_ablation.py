@@ -13,7 +13,8 @@ temperature 0 (output checked token by token against the target's greedy `genera
 1 (exact verification), one seed per prompt. Resumable: a variant whose run holds a drafter is not
 retrained, and one already measured in `--out` with the same run and steps is not re-evaluated.
 
-`--memory` measures one EAGLE-3 training step (forward and backward, ttt_steps 5, draft vocabulary 32000) on a
+`--memory-target NAME` measures the same step on a real target (gemma3-270m: its 262,144-token vocabulary) with
+draft vocabularies 2048 and 32000. `--memory` measures one EAGLE-3 training step (forward and backward, ttt_steps 5, draft vocabulary 32000) on a
 random Gemma-3-shaped target (hidden 640, 4 layers, tied embeddings, vocabulary 32768 and 262144) with
 `eagle.logit_chunk` 0 (the whole sequence at once, as before) and 64, each in a fresh process: peak resident
 memory during the step above the resident memory before it (Linux VmHWM, reset through /proc/self/clear_refs),
@@ -92,14 +93,18 @@ MEMORY_STEP = """
 import ctypes, json, sys, torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from draftsmith.models.eagle import Eagle, EagleConfig
-from draftsmith.models.target import Target
-vocab, chunk = int(sys.argv[1]), int(sys.argv[2])
+from draftsmith.models.target import Target, load_target
+vocab, chunk, draft, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
-config = Gemma3TextConfig(vocab_size=vocab, hidden_size=640, intermediate_size=2048, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
-target = Target(Gemma3ForCausalLM(config).eval().requires_grad_(False), None, "random-gemma3")
-draft_ids = torch.randperm(vocab)[:32000].sort().values
-m = Eagle(target, EagleConfig(version=3, ttt_steps=5, draft_vocab_size=32000, logit_chunk=chunk), draft_ids).train()
+if path:  # a real target (a named one resolves): its own vocabulary
+    target = load_target(path)
+    vocab = target.config.get_text_config().vocab_size
+else:
+    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=640, intermediate_size=2048, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+    target = Target(Gemma3ForCausalLM(config).eval().requires_grad_(False), None, "random-gemma3")
+draft_ids = torch.randperm(vocab)[:draft].sort().values
+m = Eagle(target, EagleConfig(version=3, ttt_steps=5, draft_vocab_size=draft, logit_chunk=chunk), draft_ids).train()
 b, s = 2, 512
 batch = {"input_ids": torch.randint(0, vocab, (b, s)), "loss_mask": torch.ones(b, s, dtype=torch.long)}
 def kib(field):
@@ -110,7 +115,7 @@ open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
 loss, _ = m(batch)
 loss.backward()
 peak = kib("VmHWM")
-print(json.dumps({"target_vocab": vocab, "logit_chunk": chunk, "tokens": b * s, "loss": loss.item(),
+print(json.dumps({"target_vocab": vocab, "draft_vocab": draft, "logit_chunk": chunk, "tokens": b * s, "loss": loss.item(),
                   "peak_above_start_mib": round((peak - before) / 1024, 1),
                   "peak_per_token_kib": round((peak - before) / (b * s), 1)}))
 """
@@ -120,14 +125,25 @@ print(json.dumps({"target_vocab": vocab, "logit_chunk": chunk, "tokens": b * s, 
 ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
+def memory_step(vocab: int, chunk: int, draft: int = 32000, target: str = "") -> dict:
+    """One measured training step in a fresh process (MEMORY_STEP)."""
+    done = subprocess.run([sys.executable, "-c", MEMORY_STEP, str(vocab), str(chunk), str(draft), target], cwd=REPO,
+                          env=ENV, capture_output=True, text=True, check=True)
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"memory: {row}", flush=True)
+    return row
+
+
+def memory_real(target: str) -> dict:
+    """The same step on a real target, draft vocabularies 2048 (teacher logits dominate) and 32000, chunked or not."""
+    rows = [memory_step(0, chunk, draft, target) for draft in (2048, 32000) for chunk in (0, 64)]
+    return {"setup": f"one EAGLE-3 training step (forward + backward, ttt_steps 5) on {target} (its own weights and "
+                     "vocabulary), random token ids, batch 2 x 512, fp32 on CPU, each in a fresh process as above",
+            "rows": rows}
+
+
 def memory() -> dict:
-    rows = []
-    for vocab in (32768, 262144):
-        for chunk in (0, 64):
-            done = subprocess.run([sys.executable, "-c", MEMORY_STEP, str(vocab), str(chunk)], cwd=REPO, env=ENV,
-                                  capture_output=True, text=True, check=True)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"memory: {rows[-1]}", flush=True)
+    rows = [memory_step(vocab, chunk) for vocab in (32768, 262144) for chunk in (0, 64)]
     return {"setup": "one EAGLE-3 training step (forward + backward, ttt_steps 5, draft vocabulary 32000) on a random "
                      "Gemma-3-shaped target (Gemma3ForCausalLM: hidden 640, 4 layers, tied embeddings), batch 2 x "
                      "512 tokens, fp32 on CPU, each in a fresh process (glibc MALLOC_MMAP_THRESHOLD_=131072, malloc_trim before "
@@ -145,12 +161,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "eagle3_ablation")
     parser.add_argument("--memory", action="store_true", help="also measure peak training memory per token")
+    parser.add_argument("--memory-target", default="", help="also measure it on this real target (e.g. gemma3-270m)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "eagle3_ablation.json")
     args = parser.parse_args(argv)
     board = json.loads(args.out.read_text()) if args.out.is_file() else {}
     board.setdefault("variants", {})
-    board["settings" if args.variants else "memory_settings"] = {
-        "command": " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
+    command = " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])])
+    board["settings" if args.variants else "memory_settings"] = board.get(
+        "settings" if args.variants else "memory_settings") if not (args.variants or args.memory) else {
+        "command": command,
         "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS,
         "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
@@ -175,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
         save(board, args.out)
     if args.memory:
         board["memory"] = memory()
+    if args.memory_target:
+        board.setdefault("memory_real", {})[args.memory_target] = {**memory_real(args.memory_target), "command": command}
     save(board, args.out)
     print(table(board))
     print(f"wrote {args.out}")

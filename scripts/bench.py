@@ -440,9 +440,11 @@ def markdown(board: dict) -> str:
                          f"| {_training_cell(entry)} | {t0['tau']:.2f} | {t1['tau']:.2f} | {_cost(t0)} | {t0['speedup']:.2f}x "
                          f"| {t1['speedup']:.2f}x | {acc} | {'yes' if _lossless(row) else 'NO'} |")
     lines += ["", "Speedup model (chains, T=0): alpha = accepted / offered positions, c = drafter time per drafted "
-              "token / target time per verification; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c)).",
-              "The model counts a verification as one plain decoding step; `verify / plain` is what one cost "
-              "against the other here, which the measured speedup also pays.",
+              "token / target time per verification; predicted = E[tokens] / (v(gamma+1) + gamma c_plain), with "
+              "E[tokens] = (1 - alpha^(gamma+1)) / (1 - alpha), v the target's verify-cost curve measured at start "
+              "(decoding/cost.py) and c_plain the drafter's time per token against a plain decoding step.",
+              "`verify / plain` is what one verification cost against one plain step here, which the measured "
+              "speedup also pays.",
               "", "| method | gamma | alpha | c | verify / plain | tau predicted / measured | speedup predicted / "
               "measured | gamma* | speedup at gamma*: predicted / measured |", "|---|---|---|---|---|---|---|---|---|"]
     for entry in board["methods"].values():

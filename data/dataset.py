@@ -32,7 +32,6 @@ import datasets
 from draftsmith.data.chat import NoAssistantTokens, tokenize_example
 from draftsmith.data.packing import pack
 from draftsmith.train.config import ConfigError
-from draftsmith.train.guard import sha256_file
 
 log = logging.getLogger("draftsmith.data")
 
@@ -91,6 +90,15 @@ class DataStats:
                 f"dropped {self.no_assistant} without assistant tokens; kept {self.kept} -> {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained")
 
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks (data cache keys, checkpoint manifests, GGUF checks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 def _local_kind(path: Path) -> str:
     """'file:<builder>', 'saved' (save_to_disk) or 'files' (a directory of data files)."""

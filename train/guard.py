@@ -11,7 +11,6 @@ that line (under `accelerate launch -q` nothing else follows it) and exits 1.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from draftsmith.data.dataset import sha256_file
 
 MANIFEST = "manifest.json"
 LOCK = "run.lock"
@@ -125,14 +126,6 @@ class RunLock:
 
 
 # ---- checkpoint manifests --------------------------------------------------------------------------
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def write_manifest(d: Path) -> None:
     """Size and sha256 of every file under `d`, written last (a checkpoint without it is incomplete)."""

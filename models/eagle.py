@@ -38,7 +38,6 @@ Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -56,15 +55,15 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
-from draftsmith.train.config import ConfigError
 
-WEIGHTS_FILE, DRAFTER_FILE, CONFIG_FILE = "eagle.safetensors", "drafter.json", "config.json"
+WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
 
 
 @dataclasses.dataclass
@@ -396,17 +395,16 @@ class Eagle(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous() for k, v in self.drafter.state_dict().items()}, out / WEIGHTS_FILE)
         (out / CONFIG_FILE).write_text(self.drafter.config.to_json_string())
-        (out / DRAFTER_FILE).write_text(json.dumps({
-            "method": "eagle", "version": self.cfg.version, "aux_layers": self.layers,
-            "aux_layers_convention": "hidden_states index: the input to decoder layer i (EAGLE repository)",
-            "ttt_steps": self.cfg.ttt_steps,
-            **target_fields({"target": self.target.path, "target_as_given": self.target.given})}, indent=1))
+        write_drafter_meta(out, "eagle", version=self.cfg.version, aux_layers=self.layers,
+                           aux_layers_convention="hidden_states index: the input to decoder layer i (EAGLE repository)",
+                           ttt_steps=self.cfg.ttt_steps,
+                           **target_fields({"target": self.target.path, "target_as_given": self.target.given}))
 
 
 def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:
     """A drafter checkpoint dir -> (EagleDrafter with its weights, drafter.json)."""
     path = Path(path)
-    meta = json.loads((path / DRAFTER_FILE).read_text())
+    meta = read_drafter_meta(path)
     config = LlamaConfig.from_json_file(path / CONFIG_FILE)
     config._attn_implementation = "sdpa"
     state = load_file(path / WEIGHTS_FILE)

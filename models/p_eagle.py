@@ -21,18 +21,17 @@ sequences and is not needed at these lengths). vLLM serves it as an EAGLE-3 draf
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.proposers import Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import (
-    DRAFTER_FILE,
     Eagle,
     EagleConfig,
     EagleDrafter,
@@ -40,7 +39,6 @@ from draftsmith.models.eagle import (
     load_drafter,
 )
 from draftsmith.models.target import Target
-from draftsmith.train.config import ConfigError
 
 
 @dataclasses.dataclass
@@ -80,9 +78,8 @@ class PEagle(Eagle):
     def save_pretrained(self, out: str | Path) -> None:
         """EAGLE's files (mask_hidden among the tensors); drafter.json names the method and the ptd token."""
         super().save_pretrained(out)
-        meta = json.loads((Path(out) / DRAFTER_FILE).read_text())
-        meta.update(method="p_eagle", ptd_token_id=self.ptd_token_id, parallel_drafting=True)
-        (Path(out) / DRAFTER_FILE).write_text(json.dumps(meta, indent=1))
+        meta = {k: v for k, v in read_drafter_meta(out).items() if k not in ("schema_version", "method")}
+        write_drafter_meta(out, "p_eagle", **meta, ptd_token_id=self.ptd_token_id, parallel_drafting=True)
 
 
 def load_proposer(path: str | Path, target, **kwargs) -> PEagleProposer:

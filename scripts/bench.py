@@ -66,6 +66,7 @@ import yaml
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import checkpoints, find_drafter
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.cost import expected_tokens, predicted_speedup, relative, verify_cost_curve
 from draftsmith.decoding.evaluate import render_prompts
@@ -76,20 +77,18 @@ from draftsmith.decoding.proposers import (
     Lookahead,
     PromptLookup,
     Proposer,
-    load_proposer,
     truncated_copy,
 )
 from draftsmith.decoding.suffix import SuffixDecoding
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.dflash import DFlashProposer
 from draftsmith.models.eagle import EagleProposer
-from draftsmith.models.export import find_drafter
 from draftsmith.models.layerskip import decoder_layers, final_norm
 from draftsmith.models.medusa import MedusaProposer, chain_choices, load_medusa
 from draftsmith.models.p_eagle import PEagleProposer
+from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, Target
 from draftsmith.models.zoo import resolve_target
-from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 GAMMAS = range(1, 9)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import find_drafter
 from draftsmith.data.dataset import DataConfig, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import load_proposer
-from draftsmith.models.export import find_drafter
 from draftsmith.models.medusa import chain_choices
+from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import load_target
 from draftsmith.train.loop import checkpoints
 

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import find_drafter
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import load_proposer
-from draftsmith.models.export import find_drafter
+from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 
 REPO = Path(__file__).resolve().parent.parent

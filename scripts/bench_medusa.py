@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import find_drafter
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.models.export import find_drafter
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,

@@ -28,11 +28,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import DraftModel, load_proposer
+from draftsmith.decoding.proposers import DraftModel
 from draftsmith.models.eagle import EagleProposer
-from draftsmith.models.export import EXPORT_FILE, load
+from draftsmith.models.export import EXPORT_FILE
 from draftsmith.models.layerskip import early_exit
 from draftsmith.models.medusa import MedusaProposer, chain_choices
+from draftsmith.models.registry import load, load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, check_target, load_target
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli

@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from draftsmith.models.export import drafter_method, export, find_drafter, formats
+from draftsmith.data.core import find_drafter
+from draftsmith.models.registry import drafter_method, export, get_format
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> Path:
         out = export(src, args.fmt, args.out, overwrite=args.overwrite)
     except (OSError, ValueError) as e:  # missing or taken paths, a full disk, a format that does not fit
         sys.exit(f"export: {e}")
-    print(f"exported {src} ({method}) as {args.fmt} ({formats(method)[args.fmt].help}) to {out}")
+    print(f"exported {src} ({method}) as {args.fmt} ({get_format(method, args.fmt).help}) to {out}")
     return out
 
 

@@ -28,9 +28,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.chat import to_messages
+from draftsmith.data.core import DiskFull, check_free, is_disk_full
 from draftsmith.data.dataset import DataConfig, load_raw
 from draftsmith.models.zoo import resolve_target
-from draftsmith.train.guard import DiskFull, check_free, cli, is_disk_full
+from draftsmith.train.guard import cli
 
 log = logging.getLogger("draftsmith.regenerate")
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
 from draftsmith.decoding import speculative_generate
-from draftsmith.decoding.proposers import DraftModel, load_proposer, truncated_copy
+from draftsmith.decoding.proposers import DraftModel, truncated_copy
 from draftsmith.models.distill import (
     Distill,
     DistillConfig,
@@ -26,8 +26,8 @@ from draftsmith.models.distill import (
     prompts_of,
     sample_on_policy,
 )
-from draftsmith.models.export import export, load
 from draftsmith.models.lm import masked_ce
+from draftsmith.models.registry import export, load, load_proposer
 from draftsmith.models.target import load_target
 from draftsmith.train.config import ConfigError
 

@@ -13,7 +13,8 @@ from conftest import REPO, script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from draftsmith.models.export import EXPORT_FILE, export, load
+from draftsmith.models.export import EXPORT_FILE
+from draftsmith.models.registry import export, load
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import distill, eagle3, layerskip, medusa
 

@@ -13,10 +13,10 @@ from conftest import script
 from transformers import LlamaForCausalLM
 
 from draftsmith.data import hidden_cache as hc
+from draftsmith.data.core import collate
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.hidden_cache import CacheError, HiddenCache, collate_features, write_cache
 from draftsmith.models.target import Target, load_target
-from draftsmith.train.loop import collate
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [1, 2, 4]

@@ -15,9 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the config schema."""
+from draftsmith.data.core import ConfigError
 
 
 @dataclasses.dataclass

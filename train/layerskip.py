@@ -12,12 +12,12 @@ the best checkpoint is kept by `loop.best_metric` (tau at `eval.select_exit` by 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+from draftsmith.data.core import BEST, best_record, collate, write_drafter_meta
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
@@ -25,7 +25,7 @@ from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
 from draftsmith.models.target import TargetConfig, load_target, target_fields
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
-from draftsmith.train.loop import Loop, collate
+from draftsmith.train.loop import Loop
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> Loop:
     loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
                 evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
     loop.run()
-    best = loop.run_dir / "best"
-    if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:
-        record_exit_layer(best, {E: json.loads((best / "best.json").read_text())[f"tau_exit{E}"]
+    best, record = loop.run_dir / BEST, best_record(loop.run_dir)
+    if loop.accelerator.is_main_process and record and prompts:
+        record_exit_layer(best, {E: record[f"tau_exit{E}"]
                                  for E in cfg.eval.exit_layers}, target_fields({"target": target.path,
                                                                                 "target_as_given": target.given}))
     return loop
@@ -130,8 +130,7 @@ def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float], origin: di
     (`assistant_early_exit`, which transformers' generate uses for self-speculation). `origin`: the target it was
     trained from, as every drafter.json records it (`target_fields`)."""
     exit_layer = max(tau_by_exit, key=tau_by_exit.get)
-    (model_dir / "drafter.json").write_text(json.dumps(
-        {"method": "layerskip", "exit_layer": exit_layer, "tau_by_exit": tau_by_exit, **(origin or {})}, indent=2))
+    write_drafter_meta(model_dir, "layerskip", exit_layer=exit_layer, tau_by_exit=tau_by_exit, **(origin or {}))
     gen = GenerationConfig.from_pretrained(model_dir)
     gen.assistant_early_exit = exit_layer
     gen.save_pretrained(model_dir)

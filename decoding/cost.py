@@ -83,3 +83,13 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def predicted_speedup(alpha: float, c: float, gamma: int, rel: dict[int, float] | None = None) -> float:
     """Speedup over plain decoding; without a curve, a verification costs one plain step (the GPU model)."""
     return expected_tokens(alpha, gamma) / ((verify_cost(rel, gamma + 1) if rel else 1.0) + gamma * c)
+
+
+def alpha_from_tau(tau: float, gamma: int) -> float:
+    """The i.i.d. acceptance alpha in [0, 1) whose chain of gamma drafts gives tau = expected_tokens(alpha, gamma)
+    (bisection: tau increases with alpha)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
+    return lo

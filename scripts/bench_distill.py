@@ -36,7 +36,7 @@ import torch
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding import DecodeStats, plain_generate, speculative_generate
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.cost import predicted_speedup
+from draftsmith.decoding.cost import alpha_from_tau, predicted_speedup
 from draftsmith.decoding.evaluate import baseline, evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
 from draftsmith.models.distill import DistillConfig, build_draft
@@ -122,15 +122,6 @@ def cost_ratio(target, draft, prompts, n: int = 32, rounds: int = 3) -> dict:
             t_draft.append(seconds_per_token(draft, x, n))
     d, t = statistics.median(t_draft), statistics.median(t_target)
     return {"c": round(d / t, 3), "draft_ms": round(1e3 * d, 3), "target_ms": round(1e3 * t, 3)}
-
-
-def alpha_from_tau(tau: float, gamma: int) -> float:
-    """Solve tau = (1 - alpha^(gamma+1)) / (1 - alpha) for alpha in [0, 1) by bisection (tau is increasing)."""
-    lo, hi = 0.0, 1.0 - 1e-9
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** k for k in range(gamma + 1)) < tau else (lo, mid)
-    return lo
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import script
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -18,6 +17,7 @@ from draftsmith.decoding.verify import Sampling
 from draftsmith.models import registry as R
 from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafter, EagleProposer, additive, load_drafter
 from draftsmith.models.target import Target
+from draftsmith.train import export as export_command
 
 REPO = Path(__file__).resolve().parent.parent
 V, L, H = 96, 6, 32
@@ -87,7 +87,7 @@ def proposals(drafter: EagleDrafter, layers: list[int], target: Target, mode: st
 @pytest.mark.parametrize("fmt,version", [("sglang", 3), ("vllm", 3), ("speculators", 3), ("vllm", 1)])
 def test_round_trip_gives_identical_tensors_drafts_and_decoding(fmt, version, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", version, aux_layers=(1, 3, 4))
-    out = script("scripts/export.py").main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
+    out = export_command.main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
     original, meta = load_drafter(src)
     loaded, back = R.load("eagle", fmt, out)
     a, b = original.state_dict(), loaded.state_dict()
@@ -394,7 +394,7 @@ def test_an_unreadable_target_is_a_clear_error(target, tmp_path):
 def test_script_export_is_atomic_and_never_overwrites_silently(target, tmp_path, capsys):
     run = tmp_path / "run"
     drafter_dir(target, run / "best")
-    out, main = tmp_path / "out", script("scripts/export.py").main
+    out, main = tmp_path / "out", export_command.main
     main([str(run), "--format", "sglang", "--out", str(out)])
     assert "(eagle) as sglang" in capsys.readouterr().out
     before = (out / "model.safetensors").read_bytes()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, script
+from conftest import REPO
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -17,6 +17,7 @@ from draftsmith.models.export import EXPORT_FILE
 from draftsmith.models.registry import export, load
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import distill, eagle3, layerskip, medusa
+from draftsmith.train import evaluate as evaluate_command
 
 GIVEN = "models/reference-target"  # the recipes' relative target.path
 TINY = ["loop.max_steps=1", "loop.batch_size=2", "data.limit=8", "data.pack=false", "eval.num_prompts=1",
@@ -81,7 +82,7 @@ def test_layerskip_export_is_the_trained_target_with_assistant_early_exit(runs, 
 
 
 def test_evaluate_measures_every_export_as_the_checkpoint_evaluation_did(runs, tmp_path):
-    evaluate = script("scripts/evaluate.py")
+    evaluate = evaluate_command
     for name, fmt, out in exports(runs, tmp_path):
         best = json.loads((runs[name] / "best" / "best.json").read_text())
         logged = best["tau"] if name != "layerskip" else best["tau_exit2"]

@@ -47,6 +47,7 @@ from draftsmith.models.medusa import (
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
+from draftsmith.train import export as export_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -307,7 +308,7 @@ def same_proposals(a, b, k: int = 3):
 
 @pytest.mark.parametrize("fmt", ["medusa", "tgi", "vllm", "hf"])
 def test_medusa1_export_round_trip(fmt, medusa1_run, tmp_path):
-    out = script("scripts/export.py").main([str(medusa1_run), "--format", fmt, "--out", str(tmp_path / fmt)])
+    out = export_command.main([str(medusa1_run), "--format", fmt, "--out", str(tmp_path / fmt)])
     original = load_medusa(medusa1_run / "best")
     loaded = R.load("medusa", fmt, out)
     same_proposals(original, loaded)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,11 +10,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.tokenizer import END, train_bpe
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "regenerate.py"
-spec = importlib.util.spec_from_file_location("regenerate", SCRIPT)
-regenerate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(regenerate)
+from draftsmith.train import regenerate
 
 ROWS = [
     {"id": "one-turn", "source": "a.py", "messages": [{"role": "user", "content": "def add(a, b):"},

@@ -1,5 +1,5 @@
 """What keeps a run safe to start, stop and restart: one-line errors, the run-directory lock, checkpoint
-manifests, free-space checks and signal handling.
+manifests and signal handling (the free-space checks are in data/core.py).
 
     if __name__ == "__main__":
         cli(main)          # an entry script: one line per error, the traceback with DRAFTSMITH_DEBUG=1
@@ -39,11 +39,11 @@ class Stopped(KeyboardInterrupt):
         self.code = code
 
 
-def cli(main: Callable, argv: list[str] | None = None) -> None:
-    """Run an entry point; on an error print `<script>: error: <one line>` and exit 1 (the traceback too when
-    DRAFTSMITH_DEBUG=1)."""
+def cli(main: Callable, argv: list[str] | None = None):
+    """Run an entry point and return what it returns; on an error print `<script>: error: <one line>` and exit 1
+    (the traceback too when DRAFTSMITH_DEBUG=1)."""
     try:
-        main(argv)
+        return main(argv)
     except Stopped as e:
         print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.code)

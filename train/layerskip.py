@@ -19,30 +19,27 @@ from transformers import GenerationConfig
 
 from draftsmith.data.core import BEST, best_record, collate, write_drafter_meta
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
-from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
 from draftsmith.models.target import TargetConfig, load_target, target_fields
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @dataclasses.dataclass
-class EvalConfig:
-    heldout_examples: int = 64  # held-out chat examples scored for per-exit loss and agreement
-    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
-    prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
-    num_prompts: int = 8
-    max_new_tokens: int = 64
+class EvalConfig(C.EvalConfig):
+    """The shared evaluation (held-out rows: per-exit loss and agreement), decoding at every exit layer."""
+
     exit_layers: list[int] = dataclasses.field(default_factory=lambda: [2, 4])
     gamma: int = 4  # tokens drafted per step
 
     def __post_init__(self):
-        if self.num_prompts < 0 or self.max_new_tokens < 1 or self.gamma < 1:
-            raise C.ConfigError("eval: num_prompts >= 0, max_new_tokens >= 1 and gamma >= 1 are required")
+        super().__post_init__()
+        if self.gamma < 1:
+            raise C.ConfigError("eval.gamma: must be >= 1")
 
 
 @dataclasses.dataclass
@@ -94,7 +91,7 @@ def metric_names(cfg: Recipe, L: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/layerskip/tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "layerskip/tiny-code.yaml", argv, __doc__)
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code, frozen=cfg.layerskip.lora)

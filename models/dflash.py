@@ -32,6 +32,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
@@ -321,3 +322,13 @@ class DFlashProposer(Proposer):
         qs: list[torch.Tensor] = []
         drafted = [draw(row, sampling, qs) for row in logits]
         return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's DFlash chain, up to block_size - 1, the slots it was trained to fill."""
+    first = load_proposer(drafter_dir, target)
+    K = first.gamma
+
+    def proposer(g: int) -> DFlashProposer:
+        return DFlashProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.mask_token_id, g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}

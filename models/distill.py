@@ -41,6 +41,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
 from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce, masked_mean
@@ -327,3 +328,10 @@ FORMATS = {
     "vllm": Format(write_hf, load_hf, "plain HF model dir: vLLM --speculative-config "
                                       "'{\"model\": DIR, \"num_speculative_tokens\": gamma}'"),
 }
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's draft-model chain at the gamma it was trained for."""
+    gamma = read_drafter_meta(drafter_dir)["gamma"]
+    draft = DraftModel.from_pretrained(drafter_dir, target).model
+    return {"chain": Drafting(target, lambda g: DraftModel(draft, target.config.vocab_size, g), [draft], gamma=gamma)}

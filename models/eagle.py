@@ -57,6 +57,7 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
@@ -588,3 +589,15 @@ class EagleProposer(Proposer):
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
                          torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
                          None if sampling.greedy else torch.stack([qs[i] for i in keep]))
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's ways to decode with an EAGLE drafter (on the target's embedding and LM head): a chain, and
+    the EAGLE-2 tree at scripts/bench_eagle.py's CPU size (top 8 per node, 5 rounds, 24 nodes kept)."""
+    first = load_proposer(drafter_dir, target)
+    runs = [first.drafter, first.embed, first.head]
+
+    def proposer(**kwargs) -> EagleProposer:
+        return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, **kwargs)
+    return {"chain": Drafting(target, lambda g: proposer(mode="chain", gamma=g), runs, gamma=5),
+            "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}

@@ -32,6 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from draftsmith.data.core import ConfigError, read_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.generate import attention_masks
 from draftsmith.decoding.proposers import DraftModel, Proposer, draw, truncated_copy
 from draftsmith.decoding.tree import DraftTree, position_ids
@@ -386,3 +387,15 @@ def load_hf(path: Path) -> tuple[nn.Module, int]:
 
 
 FORMATS = {"hf": Format(write_hf, load_hf, "HF model dir with generation_config.assistant_early_exit")}
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's early-exit chain: the early-exit-trained target drafts with its first exit_layer layers and
+    verifies (its own trained model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()
+    exit_layer = read_drafter_meta(drafter_dir)["exit_layer"]
+    runs = [model.get_input_embeddings(), *decoder_layers(model)[:exit_layer], final_norm(model),
+            model.get_output_embeddings()]
+    return {"chain": Drafting(model, lambda g: load_proposer(drafter_dir, model, gamma=g), runs, gamma=4)}

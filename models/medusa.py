@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.data.core import ConfigError, collate, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
@@ -435,3 +436,15 @@ def load_proposer(path: str | Path, target=None, choices: Choices | None = None,
     given = None if target is None or meta.get("variant") == "medusa2" else Target(target, None, "")
     drafter = load_medusa(path, given)
     return MedusaProposer(drafter.heads, chain_choices(drafter.heads.num_heads) if chain else choices or drafter.choices)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's ways to decode with a Medusa drafter: the chain of its heads, and the tree measured at its
+    best checkpoint. Medusa-2's merged backbone verifies (its own trained model), Medusa-1's target."""
+    frozen = read_drafter_meta(drafter_dir)["medusa"]["backbone"] == "frozen"
+    drafter = load_medusa(drafter_dir, Target(target) if frozen else None)
+    model, heads, K = drafter.target.model, drafter.heads, drafter.heads.num_heads
+    out = {"chain": Drafting(model, lambda g: MedusaProposer(heads, chain_choices(g)), [heads], gamma=K, max_gamma=K)}
+    if drafter.choices:
+        out["tree"] = Drafting(model, lambda g: MedusaProposer(heads, drafter.choices), [heads])
+    return out

@@ -28,6 +28,7 @@ from torch import nn
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
@@ -138,3 +139,13 @@ class PEagleProposer(EagleProposer):
         qs: list[torch.Tensor] = []
         drafted = [draw(row, sampling, qs) for row in logits]
         return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's P-EAGLE chain, up to the depths it was trained to draft (ttt_steps)."""
+    first = load_proposer(drafter_dir, target)
+    K = read_drafter_meta(drafter_dir)["ttt_steps"]
+
+    def proposer(g: int) -> PEagleProposer:
+        return PEagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.ptd_token_id, gamma=g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}

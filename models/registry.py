@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.data.core import DRAFTER_FILE, read_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer
 from draftsmith.decoding.proposers import load_proposer as load_untrained
 from draftsmith.models import (
@@ -30,19 +31,21 @@ from draftsmith.models.export import Format, write_export
 
 @dataclass(frozen=True)
 class Plugin:
-    """load_proposer(drafter_dir, target, **decoding options) -> the decoder's proposer; formats: its exports."""
+    """load_proposer(drafter_dir, target, **decoding options) -> the decoder's proposer; formats: its exports;
+    variants(drafter_dir, target) -> the ways a benchmark decodes with it (decoding/bench.py)."""
 
     load_proposer: Callable[..., Proposer]
     formats: dict[str, Format]
+    variants: Callable[[Path, Any], dict[str, Drafting]]
 
 
 METHODS: dict[str, Plugin] = {
-    "medusa": Plugin(medusa.load_proposer, medusa_export.FORMATS),
-    "eagle": Plugin(eagle.load_proposer, eagle_export.FORMATS),
-    "p_eagle": Plugin(p_eagle.load_proposer, p_eagle_export.FORMATS),
-    "dflash": Plugin(dflash.load_proposer, dflash_export.FORMATS),
-    "distill": Plugin(distill.load_proposer, distill.FORMATS),
-    "layerskip": Plugin(layerskip.load_proposer, layerskip.FORMATS),
+    "medusa": Plugin(medusa.load_proposer, medusa_export.FORMATS, medusa.variants),
+    "eagle": Plugin(eagle.load_proposer, eagle_export.FORMATS, eagle.variants),
+    "p_eagle": Plugin(p_eagle.load_proposer, p_eagle_export.FORMATS, p_eagle.variants),
+    "dflash": Plugin(dflash.load_proposer, dflash_export.FORMATS, dflash.variants),
+    "distill": Plugin(distill.load_proposer, distill.FORMATS, distill.variants),
+    "layerskip": Plugin(layerskip.load_proposer, layerskip.FORMATS, layerskip.variants),
 }
 
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
-from draftsmith.train.cli import TRAIN
+from draftsmith.train.entries import TRAIN
 
 REPO = Path(__file__).resolve().parent.parent
 

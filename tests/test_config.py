@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.train import config as C
-from draftsmith.train.cli import TRAIN
+from draftsmith.train.entries import TRAIN
 from draftsmith.train.target import Recipe as TargetRecipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

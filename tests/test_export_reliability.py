@@ -93,12 +93,12 @@ def test_evaluate_measures_every_export_as_the_checkpoint_evaluation_did(runs, t
 
 
 def test_an_export_the_disk_cannot_hold_is_refused_before_writing(runs, tmp_path, monkeypatch):
-    from draftsmith.train import guard
+    from draftsmith.data import core
 
-    real = guard.shutil.disk_usage
-    monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    with pytest.raises(guard.DiskFull) as e:
+    real = core.shutil.disk_usage
+    monkeypatch.setattr(core.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(core.DiskFull) as e:
         export(runs["medusa"] / "best", "hf", tmp_path / "out")
-    assert guard.one_line(e.value).startswith("not enough disk space for the hf export: needs about 0.0")
-    assert guard.one_line(e.value).endswith("; free space or choose another --out")
+    assert core.one_line(e.value).startswith("not enough disk space for the hf export: needs about 0.0")
+    assert core.one_line(e.value).endswith("; free space or choose another --out")
     assert list(tmp_path.iterdir()) == []

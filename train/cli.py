@@ -7,9 +7,10 @@
     draftsmith bench [...]                              # the leaderboard
     draftsmith cache --config RECIPE --out DIR          # EAGLE's offline hidden-state cache
     draftsmith regenerate --target DIR --out FILE       # the target's own answers as training data
+    draftsmith gpu-check [--smoke]                      # training throughput of every recipe on one GPU
     draftsmith COMMAND --help                           # a command's options
 
-METHOD is one of TRAIN below; with no RECIPE it trains on the method's default recipe (the embedded reference
+METHOD is one of train/entries.py's TRAIN; with no RECIPE it trains on the method's default recipe (the embedded reference
 target). On many GPUs, launch the same entry script with accelerate: `accelerate launch train/METHOD.py`.
 """
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import BEST, has_drafter
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding import DecodeStats, Sampling, speculative_generate
 from draftsmith.decoding import cache as kv
@@ -181,7 +182,7 @@ def main() -> None:
 
     run = Path(args.run)
     train_s = None
-    if not (run / "best" / "drafter.json").is_file():
+    if not has_drafter(run / BEST):
         with torch.enable_grad():
             train_s = round(timed(recipe.main, ["--config", str(REPO / "recipes/layerskip/tiny-code.yaml"),
                                                 f"loop.output_dir={run}"])[0], 1)
@@ -189,7 +190,7 @@ def main() -> None:
     parts = {}
     for part in ("before", "after") if args.part == "both" else (args.part,):
         start = time.perf_counter()
-        parts[part] = sweep(REFERENCE_TARGET if part == "before" else run / "best", rows, args)
+        parts[part] = sweep(REFERENCE_TARGET if part == "before" else run / BEST, rows, args)
         parts[part]["bench_seconds"] = round(time.perf_counter() - start, 1)
     out = Path(args.out)  # read only now: a parallel run of the other part may have written its entry
     result = (json.loads(out.read_text()) if args.part != "both" and out.is_file() else {}) | parts

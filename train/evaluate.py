@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import DRAFTER_FILE, read_drafter_meta
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
@@ -72,14 +73,14 @@ def plot(results: dict, path: str) -> None:
 def recorded_target(spec: str) -> str:
     """The target a drafter directory or export records (drafter.json / draftsmith_export.json), else the reference;
     a LayerSkip checkpoint verifies with itself."""
-    for name in (EXPORT_FILE, "drafter.json"):
-        meta = Path(spec.removeprefix("draft:")) / name
-        info = json.loads(meta.read_text()) if meta.is_file() else {}
-        if name == "drafter.json" and info.get("method") == "layerskip":
-            return str(meta.parent)
-        if info.get("target"):
-            return info["target"]
-    return str(REFERENCE_TARGET)
+    d = Path(spec.removeprefix("draft:"))
+    export = json.loads((d / EXPORT_FILE).read_text()) if (d / EXPORT_FILE).is_file() else {}
+    meta = read_drafter_meta(d) if (d / DRAFTER_FILE).is_file() else {}
+    if export.get("target"):
+        return export["target"]
+    if meta.get("method") == "layerskip":
+        return str(d)
+    return meta.get("target") or str(REFERENCE_TARGET)
 
 
 def export_proposer(path: Path, target_path: str, gamma: int | None, dtype: torch.dtype):

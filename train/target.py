@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.chat import tokenize_example
+from draftsmith.data.core import best_record
 from draftsmith.data.packing import pack
 from draftsmith.data.reference import chat_examples, corpus_fingerprint, stdlib_files, write_heldout_prompts
 from draftsmith.data.tokenizer import END, train_bpe
@@ -149,7 +150,7 @@ def measure(model_dir: str | Path, seq_len: int = 512) -> dict:
 
 def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) -> dict:
     """Copy best/ to cfg.publish_to with a model card; write benchmarks/reference_target.json."""
-    best = json.loads((run_dir / "best" / "best.json").read_text())
+    best = best_record(run_dir)
     dest = Path(cfg.publish_to)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

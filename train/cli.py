@@ -66,8 +66,8 @@ def train(argv: list[str]):
     return cli(TRAIN[method].main, rest)
 
 
-def main(argv: list[str] | None = None):
-    argv = sys.argv[1:] if argv is None else argv
+def run(argv: list[str]):
+    """Run one command line; what the command returns (the Loop of a training run, an export's path, ...)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return None
@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None):
     if command not in COMMANDS:
         raise SystemExit(f"draftsmith: unknown command {command!r}; choose train or one of {', '.join(COMMANDS)}")
     return cli(COMMANDS[command], rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: exit status 0 unless the command fails."""
+    run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

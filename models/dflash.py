@@ -259,7 +259,7 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[DFlashDraft
 
 
 def load_proposer(path: str | Path, target, gamma: int | None = None, **unused) -> DFlashProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a DFlash drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for a DFlash drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return DFlashProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], meta["mask_token_id"],

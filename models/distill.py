@@ -303,7 +303,7 @@ def save_draft(draft: nn.Module, tokenizer, out: Path, gamma: int) -> None:
 
 
 def load_proposer(path: str | Path, target, gamma: int | None = None) -> DraftModel:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a distilled draft directory."""
+    """The plug-in's proposer loader (models/registry.py) for a distilled draft directory."""
     info = read_drafter_meta(path)
     return DraftModel.from_pretrained(path, target, gamma=gamma or info["gamma"])
 

@@ -418,7 +418,7 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafte
 
 
 def load_proposer(path: str | Path, target, **kwargs) -> EagleProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for an EAGLE drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for an EAGLE drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return EagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], **kwargs)

@@ -429,7 +429,7 @@ def verifier_model(target: Target) -> nn.Module:
 
 def load_proposer(path: str | Path, target=None, choices: Choices | None = None, chain: bool = False
                   ) -> MedusaProposer:
-    """The decoder's entry point (`draftsmith.decoding.proposers.load_proposer`) for a Medusa drafter dir:
+    """The plug-in's proposer loader (models/registry.py) for a Medusa drafter dir:
     its measured tree unless `choices` or `chain` is given. With a Medusa-2 drafter, verify with its merged
     backbone (`load_medusa(path).target`), not the original target."""
     meta = read_drafter_meta(path)

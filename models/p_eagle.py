@@ -84,7 +84,7 @@ class PEagle(Eagle):
 
 
 def load_proposer(path: str | Path, target, **kwargs) -> PEagleProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a P-EAGLE drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for a P-EAGLE drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return PEagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], meta["ptd_token_id"], **kwargs)

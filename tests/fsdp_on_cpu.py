@@ -29,4 +29,4 @@ def _init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
 
 AcceleratorState.__init__ = _init_with_fsdp
 sys.argv = sys.argv[1:]
-runpy.run_module(f"draftsmith.train.{Path(sys.argv[0]).stem}", run_name="__main__")  # train/METHOD.py, as installed
+runpy.run_module(f"draftsmith.train.{Path(sys.argv[0]).stem}", run_name="__main__", alter_sys=True)  # train/METHOD.py

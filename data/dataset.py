@@ -30,8 +30,8 @@ from typing import Any, Literal
 import datasets
 
 from draftsmith.data.chat import NoAssistantTokens, tokenize_example
+from draftsmith.data.core import ConfigError
 from draftsmith.data.packing import pack
-from draftsmith.train.config import ConfigError
 
 log = logging.getLogger("draftsmith.data")
 

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.train.loop import collate
+from draftsmith.data.core import collate
 
 MANIFEST = "manifest.json"
 FORMAT = "draftsmith-hidden-cache/1"

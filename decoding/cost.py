@@ -26,6 +26,7 @@ import torch
 from draftsmith.decoding import cache as kv
 
 KS = (1, 2, 4, 8, 16, 32)
+GAMMAS = range(1, 9)  # chain lengths the speedup model considers
 
 
 @torch.no_grad()
@@ -83,3 +84,37 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def predicted_speedup(alpha: float, c: float, gamma: int, rel: dict[int, float] | None = None) -> float:
     """Speedup over plain decoding; without a curve, a verification costs one plain step (the GPU model)."""
     return expected_tokens(alpha, gamma) / ((verify_cost(rel, gamma + 1) if rel else 1.0) + gamma * c)
+
+
+def drafting_cost(stats: dict) -> float | None:
+    """c: drafter seconds per drafted node over target seconds per verification forward, from a DecodeStats summary
+    (None: nothing drafted)."""
+    if not stats["drafted_tokens"]:
+        return None
+    return (stats["drafter_s"] / stats["drafted_tokens"]) / (stats["target_s"] / stats["target_forwards"])
+
+
+def speedup_model(stats, gamma: int, max_gamma: int, rel: dict[int, float], plain_step_s: float) -> dict:
+    """alpha and c from one chain evaluation (DecodeStats); predicted speedup for each gamma with each step priced
+    by the target's verify-cost curve `rel` and the drafter's cost per token relative to a plain decoding step
+    (`c_plain`); gamma* its argmax. `predicted_speedup_flat` is the classic model, which prices a verification as
+    one plain step and c against the verification forward (about right on a GPU)."""
+    alpha = sum(stats.passed.values()) / max(1, sum(stats.reached.values()))
+    c = drafting_cost(stats.summary()) or 0.0
+    c_plain = stats.drafter_s / max(1, stats.drafted) / plain_step_s
+    predicted = {g: predicted_speedup(alpha, c_plain, g, rel) for g in GAMMAS if g <= max_gamma}
+    best = max(predicted, key=predicted.get)
+    return {"alpha": alpha, "c": c, "c_plain": c_plain, "gamma": gamma, "predicted_tau": expected_tokens(alpha, gamma),
+            "predicted_speedup": predicted[gamma], "predicted_speedup_flat": predicted_speedup(alpha, c, gamma),
+            "predicted_by_gamma": {str(g): s for g, s in predicted.items()}, "gamma_star": best,
+            "predicted_at_gamma_star": predicted[best]}
+
+
+def alpha_from_tau(tau: float, gamma: int) -> float:
+    """The i.i.d. acceptance alpha in [0, 1) whose chain of gamma drafts gives tau = expected_tokens(alpha, gamma)
+    (bisection: tau increases with alpha)."""
+    lo, hi = 0.0, 1.0 - 1e-9
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
+    return lo

@@ -33,13 +33,13 @@ tokens it already ran (the exit-query cache).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import DRAFTER_FILE
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
@@ -235,10 +235,9 @@ class Lookahead(Proposer):
 
 
 def load_proposer(spec: str, target, tokenizer=None, **kwargs) -> Proposer:
-    """A proposer from a command-line spec: `ngram`, `suffix`, `lookahead`, `none`, `draft:DIR`, or a directory.
-
-    A directory is either a Hugging Face causal LM (used as a draft model) or a trained drafter
-    with `drafter.json` = {"method": NAME}, loaded by `draftsmith.models.NAME.load_proposer(dir, target)`.
+    """A proposer from a command-line spec: `ngram`, `suffix`, `lookahead`, `none`, `draft:DIR`, or the directory
+    of a Hugging Face causal LM (used as a draft model). A trained drafter's directory (with drafter.json) is a
+    method's plug-in: `draftsmith.models.registry.load_proposer` loads it and hands every other spec here.
     """
     if spec in ("ngram", "prompt_lookup"):
         return PromptLookup(**kwargs)
@@ -253,11 +252,9 @@ def load_proposer(spec: str, target, tokenizer=None, **kwargs) -> Proposer:
     path = Path(spec.removeprefix("draft:"))
     if not path.is_dir():
         raise ValueError(f"drafter {spec!r}: not 'ngram', 'suffix', 'lookahead', 'none', 'draft:DIR' or an existing directory")
-    if (path / "drafter.json").exists() and not spec.startswith("draft:"):
-        import importlib
-
-        method = json.loads((path / "drafter.json").read_text())["method"]
-        return importlib.import_module(f"draftsmith.models.{method}").load_proposer(path, target, **kwargs)
+    if (path / DRAFTER_FILE).exists() and not spec.startswith("draft:"):
+        raise ValueError(f"drafter {spec!r} is a trained drafter (drafter.json): load it with "
+                         "draftsmith.models.registry.load_proposer")
     if (path / "config.json").exists():
         return DraftModel.from_pretrained(path, target, tokenizer, **kwargs)
     raise ValueError(f"drafter {spec!r}: the directory has neither drafter.json nor a model config.json")

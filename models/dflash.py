@@ -22,7 +22,6 @@ DFlash loaders name them (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`), so the e
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -32,15 +31,16 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import additive, draft_config
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target
-from draftsmith.train.config import ConfigError
 
-WEIGHTS_FILE, DRAFTER_FILE, CONFIG_FILE = "dflash.safetensors", "drafter.json", "config.json"
+WEIGHTS_FILE, CONFIG_FILE = "dflash.safetensors", "config.json"
 
 
 @dataclasses.dataclass
@@ -243,17 +243,15 @@ class DFlash(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous() for k, v in self.drafter.state_dict().items()}, out / WEIGHTS_FILE)
         (out / CONFIG_FILE).write_text(self.drafter.config.to_json_string())
-        (out / DRAFTER_FILE).write_text(json.dumps({
-            "method": "dflash", "aux_layers": self.layers,
-            "aux_layers_convention": "hidden_states index: the input to decoder layer i",
-            "block_size": self.cfg.block_size, "mask_token_id": self.mask_token_id, "target": self.target.path},
-            indent=1))
+        write_drafter_meta(out, "dflash", aux_layers=self.layers,
+                           aux_layers_convention="hidden_states index: the input to decoder layer i",
+                           block_size=self.cfg.block_size, mask_token_id=self.mask_token_id, target=self.target.path)
 
 
 def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[DFlashDrafter, dict]:
     """A drafter checkpoint dir -> (DFlashDrafter with its weights, drafter.json)."""
     path = Path(path)
-    meta = json.loads((path / DRAFTER_FILE).read_text())
+    meta = read_drafter_meta(path)
     config = LlamaConfig.from_json_file(path / CONFIG_FILE)
     drafter = DFlashDrafter(config, len(meta["aux_layers"]))
     drafter.load_state_dict(load_file(path / WEIGHTS_FILE))
@@ -261,7 +259,7 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[DFlashDraft
 
 
 def load_proposer(path: str | Path, target, gamma: int | None = None, **unused) -> DFlashProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a DFlash drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for a DFlash drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return DFlashProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], meta["mask_token_id"],
@@ -324,3 +322,13 @@ class DFlashProposer(Proposer):
         qs: list[torch.Tensor] = []
         drafted = [draw(row, sampling, qs) for row in logits]
         return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's DFlash chain, up to block_size - 1, the slots it was trained to fill."""
+    first = load_proposer(drafter_dir, target)
+    K = first.gamma
+
+    def proposer(g: int) -> DFlashProposer:
+        return DFlashProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.mask_token_id, g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}

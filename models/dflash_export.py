@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from draftsmith.models.dflash import DFlashDrafter, load_drafter
-from draftsmith.models.export import Format, register, vllm_parallel_drafting_token_id, write_json
+from draftsmith.models.export import Format, vllm_parallel_drafting_token_id, write_json
 
 SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -98,6 +98,5 @@ def load(path: Path) -> tuple[DFlashDrafter, dict]:
     return drafter.eval(), meta
 
 
-for name in ("vllm", "sglang"):
-    register("dflash", name, Format(write, load, f"DFlash for {'vLLM' if name == 'vllm' else 'SGLang'} "
-                                                 "(DFlashDraftModel, dflash_config)"))
+FORMATS = {name: Format(write, load, f"DFlash for {engine} (DFlashDraftModel, dflash_config)")
+           for name, engine in (("vllm", "vLLM"), ("sglang", "SGLang"))}

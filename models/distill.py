@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -41,14 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
-from draftsmith.models.export import Format, register
+from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce, masked_mean
 from draftsmith.models.target import Target, target_fields
-from draftsmith.train.config import ConfigError
 
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
-DRAFTER_FILE = "drafter.json"
 
 
 @dataclasses.dataclass
@@ -286,9 +285,8 @@ class Distill(nn.Module):
     def save_pretrained(self, out: str | Path) -> None:
         """A plain Hugging Face model directory (weights, config, tokenizer, generation config) + drafter.json."""
         save_draft(self.draft, self.tokenizer, Path(out), self.cfg.gamma)
-        (Path(out) / DRAFTER_FILE).write_text(json.dumps(
-            {"method": "distill", "gamma": self.cfg.gamma, "init": self.cfg.init, "loss": self.cfg.loss,
-             **target_fields({"target": self.target.path, "target_as_given": self.target.given})}, indent=2))
+        write_drafter_meta(out, "distill", gamma=self.cfg.gamma, init=self.cfg.init, loss=self.cfg.loss,
+                           **target_fields({"target": self.target.path, "target_as_given": self.target.given}))
 
 
 def save_draft(draft: nn.Module, tokenizer, out: Path, gamma: int) -> None:
@@ -305,8 +303,8 @@ def save_draft(draft: nn.Module, tokenizer, out: Path, gamma: int) -> None:
 
 
 def load_proposer(path: str | Path, target, gamma: int | None = None) -> DraftModel:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a distilled draft directory."""
-    info = json.loads((Path(path) / DRAFTER_FILE).read_text())
+    """The plug-in's proposer loader (models/registry.py) for a distilled draft directory."""
+    info = read_drafter_meta(path)
     return DraftModel.from_pretrained(path, target, gamma=gamma or info["gamma"])
 
 
@@ -316,7 +314,7 @@ def write_hf(drafter_dir: Path, tmp: Path, final: Path) -> None:
     """Re-save the draft through transformers (so the export is known to load) without drafter.json."""
     draft = AutoModelForCausalLM.from_pretrained(drafter_dir)
     tokenizer = AutoTokenizer.from_pretrained(drafter_dir)
-    gamma = json.loads((drafter_dir / DRAFTER_FILE).read_text())["gamma"]
+    gamma = read_drafter_meta(drafter_dir)["gamma"]
     save_draft(draft, tokenizer, tmp, gamma)
 
 
@@ -325,6 +323,15 @@ def load_hf(path: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-register("distill", "hf", Format(write_hf, load_hf, "plain HF model dir: generate(assistant_model=...)"))
-register("distill", "vllm", Format(write_hf, load_hf, "plain HF model dir: vLLM --speculative-config "
-                                                      "'{\"model\": DIR, \"num_speculative_tokens\": gamma}'"))
+FORMATS = {
+    "hf": Format(write_hf, load_hf, "plain HF model dir: generate(assistant_model=...)"),
+    "vllm": Format(write_hf, load_hf, "plain HF model dir: vLLM --speculative-config "
+                                      "'{\"model\": DIR, \"num_speculative_tokens\": gamma}'"),
+}
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's draft-model chain at the gamma it was trained for."""
+    gamma = read_drafter_meta(drafter_dir)["gamma"]
+    draft = DraftModel.from_pretrained(drafter_dir, target).model
+    return {"chain": Drafting(target, lambda g: DraftModel(draft, target.config.vocab_size, g), [draft], gamma=gamma)}

@@ -38,7 +38,6 @@ Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -56,15 +55,16 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
-from draftsmith.train.config import ConfigError
 
-WEIGHTS_FILE, DRAFTER_FILE, CONFIG_FILE = "eagle.safetensors", "drafter.json", "config.json"
+WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
 
 
 @dataclasses.dataclass
@@ -396,17 +396,16 @@ class Eagle(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous() for k, v in self.drafter.state_dict().items()}, out / WEIGHTS_FILE)
         (out / CONFIG_FILE).write_text(self.drafter.config.to_json_string())
-        (out / DRAFTER_FILE).write_text(json.dumps({
-            "method": "eagle", "version": self.cfg.version, "aux_layers": self.layers,
-            "aux_layers_convention": "hidden_states index: the input to decoder layer i (EAGLE repository)",
-            "ttt_steps": self.cfg.ttt_steps,
-            **target_fields({"target": self.target.path, "target_as_given": self.target.given})}, indent=1))
+        write_drafter_meta(out, "eagle", version=self.cfg.version, aux_layers=self.layers,
+                           aux_layers_convention="hidden_states index: the input to decoder layer i (EAGLE repository)",
+                           ttt_steps=self.cfg.ttt_steps,
+                           **target_fields({"target": self.target.path, "target_as_given": self.target.given}))
 
 
 def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:
     """A drafter checkpoint dir -> (EagleDrafter with its weights, drafter.json)."""
     path = Path(path)
-    meta = json.loads((path / DRAFTER_FILE).read_text())
+    meta = read_drafter_meta(path)
     config = LlamaConfig.from_json_file(path / CONFIG_FILE)
     config._attn_implementation = "sdpa"
     state = load_file(path / WEIGHTS_FILE)
@@ -419,7 +418,7 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafte
 
 
 def load_proposer(path: str | Path, target, **kwargs) -> EagleProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for an EAGLE drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for an EAGLE drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return EagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], **kwargs)
@@ -590,3 +589,15 @@ class EagleProposer(Proposer):
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
                          torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
                          None if sampling.greedy else torch.stack([qs[i] for i in keep]))
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's ways to decode with an EAGLE drafter (on the target's embedding and LM head): a chain, and
+    the EAGLE-2 tree at scripts/bench_eagle.py's CPU size (top 8 per node, 5 rounds, 24 nodes kept)."""
+    first = load_proposer(drafter_dir, target)
+    runs = [first.drafter, first.embed, first.head]
+
+    def proposer(**kwargs) -> EagleProposer:
+        return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, **kwargs)
+    return {"chain": Drafting(target, lambda g: proposer(mode="chain", gamma=g), runs, gamma=5),
+            "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
 from draftsmith.models.eagle import EagleDrafter, load_drafter
-from draftsmith.models.export import EXPORT_FILE, Format, register, write_json
+from draftsmith.models.export import EXPORT_FILE, Format, write_json
 from draftsmith.models.target import target_fields
 
 SIDE_FILE, WEIGHTS_FILE = EXPORT_FILE, "model.safetensors"
@@ -288,8 +288,8 @@ def load_speculators(path: Path) -> tuple[EagleDrafter, dict]:
     return _eagle3_drafter(fields, tensors, layers), _meta(3, layers, verifier["name_or_path"], "speculators")
 
 
-register("eagle", "sglang", Format(write_sglang, load_sglang, "EAGLE-3 for SGLang / SpecForge (LlamaForCausalLMEagle3)"))
-register("eagle", "vllm", Format(write_vllm, load_vllm,
-                                 "vLLM: EAGLE-3 (Eagle3LlamaForCausalLM) or EAGLE-1 (EagleLlamaForCausalLM)"))
-register("eagle", "speculators", Format(write_speculators, load_speculators,
-                                        "EAGLE-3 in vLLM's speculators format (Eagle3Speculator)"))
+FORMATS = {
+    "sglang": Format(write_sglang, load_sglang, "EAGLE-3 for SGLang / SpecForge (LlamaForCausalLMEagle3)"),
+    "vllm": Format(write_vllm, load_vllm, "vLLM: EAGLE-3 (Eagle3LlamaForCausalLM) or EAGLE-1 (EagleLlamaForCausalLM)"),
+    "speculators": Format(write_speculators, load_speculators, "EAGLE-3 in vLLM's speculators format (Eagle3Speculator)"),
+}

@@ -1,15 +1,13 @@
-"""The export registry: (method, format) -> writer + loader, and the atomic, no-clobber directory write.
+"""An export format (writer + loader) and the atomic, no-clobber directory write every format goes through.
 
-A drafter checkpoint (a run's `best/` or a checkpoint's `model/`) names its method in
-`drafter.json`. Each method's module registers its formats here; `export` writes into a
-temporary sibling of `out` and renames it into place only once the writer has finished, so an
-interrupted export never leaves a partial directory. A non-empty `out` is refused unless
+Each method's module lists its formats (`FORMATS = {name: Format}`), found through models/registry.py.
+`write_export` writes into a temporary sibling of `out` and renames it into place only once the writer has
+finished, so an interrupted export never leaves a partial directory. A non-empty `out` is refused unless
 `overwrite`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -19,13 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.data.core import DiskFull, check_free, dir_bytes, is_disk_full, one_line, read_drafter_meta
 from draftsmith.models.target import target_fields
-from draftsmith.train.guard import DiskFull, check_free, dir_bytes, is_disk_full, one_line
 
-# module that registers the formats of each method, imported on first use
-PROVIDERS = {"medusa": "draftsmith.models.medusa_export", "distill": "draftsmith.models.distill",
-             "eagle": "draftsmith.models.eagle_export", "layerskip": "draftsmith.models.layerskip",
-             "p_eagle": "draftsmith.models.p_eagle_export", "dflash": "draftsmith.models.dflash_export"}
 EXPORT_FILE = "draftsmith_export.json"  # in every export: method, format and the target it verifies with
 
 
@@ -38,9 +32,6 @@ class Format:
     load: Callable[[Path], Any]
     help: str = ""
     with_target: bool = False
-
-
-_REGISTRY: dict[tuple[str, str], Format] = {}
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -61,56 +52,13 @@ def vllm_parallel_drafting_token_id(config: dict) -> int:
     return int(ids[0])
 
 
-def register(method: str, name: str, fmt: Format) -> None:
-    _REGISTRY[(method, name)] = fmt
-
-
-def drafter_method(drafter_dir: Path) -> str:
-    """The method recorded in a drafter checkpoint's drafter.json."""
-    meta = Path(drafter_dir) / "drafter.json"
-    if not meta.is_file():
-        raise FileNotFoundError(f"{drafter_dir} has no drafter.json; pass a run dir, its best/ or a checkpoint's model/")
-    return json.loads(meta.read_text())["method"]
-
-
-def find_drafter(run: str | Path) -> Path:
-    """A drafter dir from a run: RUN itself if it is one, else RUN/best, else the latest checkpoint's model/."""
-    run = Path(run)
-    if (run / "drafter.json").is_file():
-        return run
-    if (run / "best" / "drafter.json").is_file():
-        return run / "best"
-    found = sorted((c / "model" for c in run.glob("checkpoint-*")  # never a half-written checkpoint-N.tmp
-                    if c.name.split("-")[-1].isdigit() and (c / "model" / "drafter.json").is_file()),
-                   key=lambda p: int(p.parent.name.split("-")[-1]))
-    if not found:
-        raise FileNotFoundError(f"{run} holds no drafter (no drafter.json, best/ or checkpoint-*/model/); train first")
-    return found[-1]
-
-
-def formats(method: str) -> dict[str, Format]:
-    """Formats registered for `method`."""
-    if method not in PROVIDERS:
-        raise ValueError(f"no export formats for method {method!r}; known methods: {sorted(PROVIDERS)}")
-    importlib.import_module(PROVIDERS[method])
-    return {name: f for (m, name), f in _REGISTRY.items() if m == method}
-
-
-def get_format(method: str, name: str) -> Format:
-    found = formats(method)
-    if name not in found:
-        raise ValueError(f"format {name!r} is not available for {method}; choose one of {sorted(found)}")
-    return found[name]
-
-
-def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool = False) -> Path:
-    """Write the drafter at `drafter_dir` to `out` in format `name`, atomically."""
+def write_export(drafter_dir: str | Path, name: str, fmt: Format, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the drafter at `drafter_dir` to `out` in format `fmt` (named `name`), atomically."""
     drafter_dir, out = Path(drafter_dir), Path(out).resolve()
-    fmt = get_format(drafter_method(drafter_dir), name)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    target = json.loads((drafter_dir / "drafter.json").read_text()).get("target") or ""
+    target = read_drafter_meta(drafter_dir).get("target") or ""
     need = dir_bytes(drafter_dir) + (dir_bytes(Path(target)) if fmt.with_target and target and Path(target).is_dir()
                                      else 0)
     check_free(out.parent, need, f"the {name} export", "free space or choose another --out")
@@ -138,7 +86,7 @@ def export(drafter_dir: str | Path, name: str, out: str | Path, overwrite: bool 
 
 def record_target(tmp: Path, drafter_dir: Path, name: str) -> None:
     """Add method, format, target and the drafter it came from to the export's draftsmith_export.json."""
-    meta = json.loads((drafter_dir / "drafter.json").read_text())
+    meta = read_drafter_meta(drafter_dir)
     side = tmp / EXPORT_FILE
     record = json.loads(side.read_text()) if side.is_file() else {}
     decoding = {k: meta[k] for k in ("tree_choices", "exit_layer", "gamma") if k in meta}  # as checkpoints decoded
@@ -152,8 +100,3 @@ def _publishable(root: Path) -> None:
     os.umask(umask)
     for p in [root, *root.rglob("*")]:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-
-
-def load(method: str, name: str, path: str | Path) -> Any:
-    """Read an exported directory back with the project's loader for that format."""
-    return get_format(method, name).load(Path(path))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import math
 import warnings
 from collections.abc import Callable
@@ -31,14 +30,15 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from draftsmith.data.core import ConfigError, read_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.generate import attention_masks
 from draftsmith.decoding.proposers import DraftModel, Proposer, draw, truncated_copy
 from draftsmith.decoding.tree import DraftTree, position_ids
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.export import Format, register
+from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce
-from draftsmith.train.config import ConfigError
 
 SCALES = {"uniform": lambda l: 1.0, "linear": float, "sum": lambda l: l * (l + 1) / 2,
           "sqrt": math.sqrt, "inverse": lambda l: 1.0 / l}
@@ -360,7 +360,7 @@ def early_exit(target: nn.Module, exit_layer: int, gamma: int = 4) -> EarlyExit 
 def load_proposer(path: str | Path, target: nn.Module, exit_layer: int | None = None,
                   gamma: int = 4) -> EarlyExit | EarlyExitDraft:
     """The early-exit proposer for a LayerSkip export (`drafter.json` names its exit layer)."""
-    info = json.loads((Path(path) / "drafter.json").read_text())
+    info = read_drafter_meta(path)
     return early_exit(target, exit_layer or info["exit_layer"], gamma)
 
 
@@ -371,7 +371,7 @@ def write_hf(drafter_dir: Path, tmp: Path, final: Path) -> None:
     `assistant_early_exit` (transformers' self-speculation: `generate(..., assistant_early_exit=E)` reads it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    exit_layer = json.loads((Path(drafter_dir) / "drafter.json").read_text())["exit_layer"]
+    exit_layer = read_drafter_meta(drafter_dir)["exit_layer"]
     AutoModelForCausalLM.from_pretrained(drafter_dir).save_pretrained(tmp)
     AutoTokenizer.from_pretrained(drafter_dir).save_pretrained(tmp)
     gen = GenerationConfig.from_pretrained(drafter_dir)
@@ -386,4 +386,16 @@ def load_hf(path: Path) -> tuple[nn.Module, int]:
     return AutoModelForCausalLM.from_pretrained(path).eval(), GenerationConfig.from_pretrained(path).assistant_early_exit
 
 
-register("layerskip", "hf", Format(write_hf, load_hf, "HF model dir with generation_config.assistant_early_exit"))
+FORMATS = {"hf": Format(write_hf, load_hf, "HF model dir with generation_config.assistant_early_exit")}
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's early-exit chain: the early-exit-trained target drafts with its first exit_layer layers and
+    verifies (its own trained model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(drafter_dir).eval()
+    exit_layer = read_drafter_meta(drafter_dir)["exit_layer"]
+    runs = [model.get_input_embeddings(), *decoder_layers(model)[:exit_layer], final_norm(model),
+            model.get_output_embeddings()]
+    return {"chain": Drafting(model, lambda g: load_proposer(drafter_dir, model, gamma=g), runs, gamma=4)}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +28,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from draftsmith.data.core import ConfigError, collate, read_drafter_meta, write_drafter_meta
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.lm import masked_ce, masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
-from draftsmith.train.config import ConfigError
 
-HEADS_FILE, DRAFTER_FILE = "medusa_heads.safetensors", "drafter.json"
+HEADS_FILE = "medusa_heads.safetensors"
 
 
 @dataclasses.dataclass
@@ -263,13 +263,13 @@ class Medusa(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v for k, v in self.heads.export_state().items() if not (self.cfg.share_lm_head and k.startswith("proj."))}
         save_file(state, out / HEADS_FILE)
-        meta = {"method": "medusa", "variant": "medusa2" if self.medusa2 else "medusa1",
+        meta = {"variant": "medusa2" if self.medusa2 else "medusa1",
                 **target_fields({"target": self.target.path, "target_as_given": self.target.given}),
                 "hidden_size": self.heads.hidden_size, "vocab_size": self.heads.vocab_size,
                 "medusa": dataclasses.asdict(self.cfg)}
         if self.choices:
             meta["tree_choices"] = [list(c) for c in self.choices]
-        (out / DRAFTER_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        write_drafter_meta(out, "medusa", **meta)
         if self.cfg.backbone == "lora":
             self.target.model.save_pretrained(out / "adapter")
         elif self.cfg.backbone == "full":
@@ -292,9 +292,7 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
     """Load a drafter written by `Medusa.save_pretrained`. For Medusa-2 the backbone is the trained one
     (LoRA merged); for Medusa-1 `target` (or the recorded target path) is used as is."""
     path = Path(path)
-    if not (path / DRAFTER_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {DRAFTER_FILE}; pass a checkpoint's model/ dir or a run's best/")
-    meta = json.loads((path / DRAFTER_FILE).read_text())
+    meta = read_drafter_meta(path)
     if meta.get("method") != "medusa":
         raise ValueError(f"{path} holds a {meta.get('method')!r} drafter, not a Medusa one")
     cfg = meta["medusa"]
@@ -369,8 +367,6 @@ def rank_accuracy(target: Target, heads: MedusaHeads, rows: list[dict], topk: in
                   batch_size: int = 8) -> torch.Tensor:
     """[K, topk]: how often head k's rank-r candidate at position t is the token the target itself
     predicts greedily at t+k (teacher-forced on held-out rows: the quantity greedy verification tests)."""
-    from draftsmith.train.loop import collate
-
     device = target.lm_head.weight.device
     hits = torch.zeros(heads.num_heads, topk, dtype=torch.float64)
     counts = torch.zeros(heads.num_heads, dtype=torch.float64)
@@ -433,10 +429,22 @@ def verifier_model(target: Target) -> nn.Module:
 
 def load_proposer(path: str | Path, target=None, choices: Choices | None = None, chain: bool = False
                   ) -> MedusaProposer:
-    """The decoder's entry point (`draftsmith.decoding.proposers.load_proposer`) for a Medusa drafter dir:
+    """The plug-in's proposer loader (models/registry.py) for a Medusa drafter dir:
     its measured tree unless `choices` or `chain` is given. With a Medusa-2 drafter, verify with its merged
     backbone (`load_medusa(path).target`), not the original target."""
-    meta = json.loads((Path(path) / DRAFTER_FILE).read_text()) if (Path(path) / DRAFTER_FILE).is_file() else {}
+    meta = read_drafter_meta(path)
     given = None if target is None or meta.get("variant") == "medusa2" else Target(target, None, "")
     drafter = load_medusa(path, given)
     return MedusaProposer(drafter.heads, chain_choices(drafter.heads.num_heads) if chain else choices or drafter.choices)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's ways to decode with a Medusa drafter: the chain of its heads, and the tree measured at its
+    best checkpoint. Medusa-2's merged backbone verifies (its own trained model), Medusa-1's target."""
+    frozen = read_drafter_meta(drafter_dir)["medusa"]["backbone"] == "frozen"
+    drafter = load_medusa(drafter_dir, Target(target) if frozen else None)
+    model, heads, K = drafter.target.model, drafter.heads, drafter.heads.num_heads
+    out = {"chain": Drafting(model, lambda g: MedusaProposer(heads, chain_choices(g)), [heads], gamma=K, max_gamma=K)}
+    if drafter.choices:
+        out["tree"] = Drafting(model, lambda g: MedusaProposer(heads, drafter.choices), [heads])
+    return out

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.models.export import Format, register, write_json
+from draftsmith.models.export import Format, write_json
 from draftsmith.models.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from draftsmith.models.target import Target, load_target
 
@@ -169,7 +169,9 @@ def load_hf(path: Path) -> MedusaDrafter:
     return MedusaDrafter(target, heads.eval(), "hf")
 
 
-register("medusa", "medusa", Format(write_medusa, load_medusa_format, "original Medusa layout"))
-register("medusa", "tgi", Format(lambda d, t, f: write_medusa(d, t, f, tgi=True), load_tgi, "TGI Medusa speculator"))
-register("medusa", "vllm", Format(write_vllm, load_vllm, "vLLM model_type: medusa"))
-register("medusa", "hf", Format(write_hf, load_hf, "HF backbone dir + medusa_lm_head.safetensors", with_target=True))
+FORMATS = {
+    "medusa": Format(write_medusa, load_medusa_format, "original Medusa layout"),
+    "tgi": Format(lambda d, t, f: write_medusa(d, t, f, tgi=True), load_tgi, "TGI Medusa speculator"),
+    "vllm": Format(write_vllm, load_vllm, "vLLM model_type: medusa"),
+    "hf": Format(write_hf, load_hf, "HF backbone dir + medusa_lm_head.safetensors", with_target=True),
+}

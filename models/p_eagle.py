@@ -21,18 +21,18 @@ sequences and is not needed at these lengths). vLLM serves it as an EAGLE-3 draf
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import (
-    DRAFTER_FILE,
     Eagle,
     EagleConfig,
     EagleDrafter,
@@ -40,7 +40,6 @@ from draftsmith.models.eagle import (
     load_drafter,
 )
 from draftsmith.models.target import Target
-from draftsmith.train.config import ConfigError
 
 
 @dataclasses.dataclass
@@ -80,13 +79,12 @@ class PEagle(Eagle):
     def save_pretrained(self, out: str | Path) -> None:
         """EAGLE's files (mask_hidden among the tensors); drafter.json names the method and the ptd token."""
         super().save_pretrained(out)
-        meta = json.loads((Path(out) / DRAFTER_FILE).read_text())
-        meta.update(method="p_eagle", ptd_token_id=self.ptd_token_id, parallel_drafting=True)
-        (Path(out) / DRAFTER_FILE).write_text(json.dumps(meta, indent=1))
+        meta = {k: v for k, v in read_drafter_meta(out).items() if k not in ("schema_version", "method")}
+        write_drafter_meta(out, "p_eagle", **meta, ptd_token_id=self.ptd_token_id, parallel_drafting=True)
 
 
 def load_proposer(path: str | Path, target, **kwargs) -> PEagleProposer:
-    """The decoder's entry point (`decoding.proposers.load_proposer`) for a P-EAGLE drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for a P-EAGLE drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return PEagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], meta["ptd_token_id"], **kwargs)
@@ -141,3 +139,13 @@ class PEagleProposer(EagleProposer):
         qs: list[torch.Tensor] = []
         drafted = [draw(row, sampling, qs) for row in logits]
         return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+
+
+def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
+    """The leaderboard's P-EAGLE chain, up to the depths it was trained to draft (ttt_steps)."""
+    first = load_proposer(drafter_dir, target)
+    K = read_drafter_meta(drafter_dir)["ttt_steps"]
+
+    def proposer(g: int) -> PEagleProposer:
+        return PEagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, first.ptd_token_id, gamma=g)
+    return {"chain": Drafting(target, proposer, [first.drafter, first.embed, first.head], gamma=K, max_gamma=K)}

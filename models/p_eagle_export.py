@@ -31,7 +31,7 @@ from draftsmith.models.eagle_export import (
     _read,
     _write,
 )
-from draftsmith.models.export import Format, register, vllm_parallel_drafting_token_id
+from draftsmith.models.export import Format, vllm_parallel_drafting_token_id
 
 
 def write_vllm(drafter_dir: Path, tmp: Path, final: Path) -> None:
@@ -66,4 +66,4 @@ def load_vllm(path: Path) -> tuple[EagleDrafter, dict]:
     return drafter, meta
 
 
-register("p_eagle", "vllm", Format(write_vllm, load_vllm, "P-EAGLE for vLLM (EAGLE-3 with parallel_drafting)"))
+FORMATS = {"vllm": Format(write_vllm, load_vllm, "P-EAGLE for vLLM (EAGLE-3 with parallel_drafting)")}

@@ -24,6 +24,7 @@ after every variant, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -34,9 +35,9 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.reference import load_prompts
-from draftsmith.decoding import DecodeStats, plain_generate, speculative_generate
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.cost import predicted_speedup
+from draftsmith.decoding.bench import measure
+from draftsmith.decoding.cost import alpha_from_tau, predicted_speedup
 from draftsmith.decoding.evaluate import baseline, evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
 from draftsmith.models.distill import DistillConfig, build_draft
@@ -84,20 +85,13 @@ def decode(target, draft, prompts, max_new: int, gamma: int) -> dict:
             "greedy_matches_target": g["greedy_matches_target"]}
 
 
-@torch.no_grad()
 def gamma_sweep(target, draft, prompts, max_new: int, gammas: list[int]) -> dict:
-    """Per prompt, back to back: plain decoding, then speculative decoding at every gamma (greedy)."""
-    plain_s, spec_s, stats = 0.0, dict.fromkeys(gammas, 0.0), {g: DecodeStats() for g in gammas}
-    V = target.config.vocab_size
-    for x in prompts:
-        t = time.perf_counter()
-        plain_generate(target, x, max_new)
-        plain_s += time.perf_counter() - t
-        for g in gammas:
-            t = time.perf_counter()
-            speculative_generate(target, DraftModel(draft, V, g), x, max_new, stats=stats[g])
-            spec_s[g] += time.perf_counter() - t
-    return {g: {"tau": round(stats[g].tau, 3), "speedup": round(plain_s / spec_s[g], 3)} for g in gammas}
+    """Greedy tau and speedup at every gamma, each timed back to back with plain decoding (decoding/bench.py)."""
+    out = {}
+    for g in gammas:
+        r, _ = measure(target, functools.partial(DraftModel, draft, target.config.vocab_size, g), prompts, max_new)
+        out[g] = {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3)}
+    return out
 
 
 @torch.no_grad()
@@ -122,15 +116,6 @@ def cost_ratio(target, draft, prompts, n: int = 32, rounds: int = 3) -> dict:
             t_draft.append(seconds_per_token(draft, x, n))
     d, t = statistics.median(t_draft), statistics.median(t_target)
     return {"c": round(d / t, 3), "draft_ms": round(1e3 * d, 3), "target_ms": round(1e3 * t, 3)}
-
-
-def alpha_from_tau(tau: float, gamma: int) -> float:
-    """Solve tau = (1 - alpha^(gamma+1)) / (1 - alpha) for alpha in [0, 1) by bisection (tau is increasing)."""
-    lo, hi = 0.0, 1.0 - 1e-9
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(mid ** k for k in range(gamma + 1)) < tau else (lo, mid)
-    return lo
 
 
 def main(argv: list[str] | None = None) -> dict:

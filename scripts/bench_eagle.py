@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import best_record, checkpoints, find_drafter
 from draftsmith.data.dataset import DataConfig, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import load_proposer
-from draftsmith.models.export import find_drafter
 from draftsmith.models.medusa import chain_choices
+from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import load_target
-from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"greedy": 0.0, "t1": 1.0}
@@ -40,7 +39,7 @@ def training_record(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = checkpoints(run)[-1]
     state = json.loads((last / "state.json").read_text())
-    best = json.loads((run / "best" / "best.json").read_text())
+    best = best_record(run)
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     return {"steps": state["step"], "train_seconds": round(state["train_seconds"], 1),
             "tokens_per_s": round(sum(speeds) / len(speeds), 1) if speeds else None,

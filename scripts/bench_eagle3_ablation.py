@@ -24,7 +24,6 @@ per token of the batch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -34,16 +33,14 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import find_drafter, has_drafter
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.decoding.proposers import load_proposer
-from draftsmith.models.export import find_drafter
+from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
+from draftsmith.train import bench
 
 REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-bench = sys.modules["bench"] = importlib.util.module_from_spec(_spec)  # scripts/bench.py: training, records
-_spec.loader.exec_module(bench)
 
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
 VARIANTS = {
@@ -68,7 +65,7 @@ def train_variant(name: str, run: Path, budget: float) -> dict:
     key, overrides = VARIANTS[name]
     load = os.getloadavg()[0]
     wall = None
-    if not bench.has_drafter(run):
+    if not has_drafter(run):
         wall = bench.train(bench.BY_KEY[key], run, budget, str(REFERENCE_TARGET), overrides + COMMON)
     record = bench.training_record(run, find_drafter(run), "eval/tau")
     return {"method": key, "overrides": overrides, "steps": record["steps"], "train_seconds": record["train_seconds"],

@@ -10,8 +10,8 @@ finished run. Then, for the target before and after training:
   held-out prompts, with its tokens checked against the target's own greedy ones;
 - wall-clock speedup against the target's own decoding (`plain_generate`), with the exit-query
   cache and without it (`EarlyExitDraft`: a truncated copy with its own cache, verification
-  recomputes layers [:E]); timed back to back per prompt (plain, then every E with, then without)
-  on `--timing-prompts` prompts, `--repeats` rounds; the median round is reported;
+  recomputes layers [:E]); plain and speculative timed back to back per prompt (decoding/bench.py)
+  on `--timing-prompts` prompts, `--repeats` rounds per E and kind; the median is reported;
 - the verifying forward alone with and without the cache, interleaved, median of many repeats;
 - at the E of the best median speedup: tau at temperature 1 (exact sampling), and transformers'
   own `generate(assistant_early_exit=E)` timed back to back against ours per prompt: same greedy
@@ -23,6 +23,7 @@ noisy: tau is the portable figure.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -31,9 +32,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import BEST, has_drafter
 from draftsmith.data.reference import load_prompts
-from draftsmith.decoding import DecodeStats, Sampling, plain_generate, speculative_generate
+from draftsmith.decoding import DecodeStats, Sampling, speculative_generate
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.bench import measure as back_to_back
 from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.models.layerskip import EarlyExit, EarlyExitDraft
 from draftsmith.models.target import REFERENCE_TARGET
@@ -66,31 +69,19 @@ def tau_by_exit(model, prompts, refs, max_new_tokens: int, gamma: int) -> dict[i
 
 
 def wall_clock(model, prompts, max_new_tokens: int, gamma: int, repeats: int) -> dict[int, dict]:
-    """Per round, per prompt back to back: plain, every E with the exit-query cache, every E without.
-    Speedup = plain seconds / method seconds over the round's prompts; medians over rounds."""
-    exits = range(1, model.config.num_hidden_layers)
+    """Every E with the exit-query cache and without: speedup over plain decoding timed back to back per prompt
+    (decoding/bench.py), target and drafter ms per step; medians over `repeats` rounds."""
     kinds = {"cache": EarlyExit, "no_cache": EarlyExitDraft}
-    proposers = {(k, E): cls(model, E, gamma) for k, cls in kinds.items() for E in exits}  # built untimed
-    speculative_generate(model, proposers["cache", 1], prompts[0], 8)  # warm-up
-    rounds = []
-    for _ in range(repeats):
-        secs = dict.fromkeys(["plain", *proposers], 0.0)
-        steps = {key: DecodeStats() for key in proposers}
-        for x in prompts:
-            secs["plain"] += timed(plain_generate, model, x, max_new_tokens)[0]
-            for key, proposer in proposers.items():
-                secs[key] += timed(speculative_generate, model, proposer, x, max_new_tokens, stats=steps[key])[0]
-        rounds.append((secs, steps))
     out = {}
-    for E in exits:
+    for E in range(1, model.config.num_hidden_layers):
         out[E] = {}
-        for k in kinds:
+        for k, cls in kinds.items():
+            rounds = [back_to_back(model, functools.partial(cls, model, E, gamma), prompts, max_new_tokens)
+                      for _ in range(repeats)]
             out[E][k] = {
-                "speedup": round(statistics.median(r[0]["plain"] / r[0][k, E] for r in rounds), 3),
-                "target_ms_per_step": round(statistics.median(1e3 * r[1][k, E].target_s / r[1][k, E].steps
-                                                              for r in rounds), 3),
-                "drafter_ms_per_step": round(statistics.median(1e3 * r[1][k, E].drafter_s / r[1][k, E].steps
-                                                               for r in rounds), 3)}
+                "speedup": round(statistics.median(r["speedup"] for r, _ in rounds), 3),
+                "target_ms_per_step": round(statistics.median(1e3 * s.target_s / s.steps for _, s in rounds), 3),
+                "drafter_ms_per_step": round(statistics.median(1e3 * s.drafter_s / s.steps for _, s in rounds), 3)}
         print(f"  E={E} speedup cache={out[E]['cache']['speedup']} no_cache={out[E]['no_cache']['speedup']}",
               flush=True)
     return out
@@ -191,7 +182,7 @@ def main() -> None:
 
     run = Path(args.run)
     train_s = None
-    if not (run / "best" / "drafter.json").is_file():
+    if not has_drafter(run / BEST):
         with torch.enable_grad():
             train_s = round(timed(recipe.main, ["--config", str(REPO / "recipes/layerskip/tiny-code.yaml"),
                                                 f"loop.output_dir={run}"])[0], 1)
@@ -199,7 +190,7 @@ def main() -> None:
     parts = {}
     for part in ("before", "after") if args.part == "both" else (args.part,):
         start = time.perf_counter()
-        parts[part] = sweep(REFERENCE_TARGET if part == "before" else run / "best", rows, args)
+        parts[part] = sweep(REFERENCE_TARGET if part == "before" else run / BEST, rows, args)
         parts[part]["bench_seconds"] = round(time.perf_counter() - start, 1)
     out = Path(args.out)  # read only now: a parallel run of the other part may have written its entry
     result = (json.loads(out.read_text()) if args.part != "both" and out.is_file() else {}) | parts

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset
+from draftsmith.data.core import collate, find_drafter, read_drafter_meta
+from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.models.export import find_drafter
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,
@@ -38,22 +38,16 @@ from draftsmith.models.medusa import (
     rank_accuracy,
 )
 from draftsmith.models.target import Target, load_target
-from draftsmith.train.loop import collate
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"greedy": (0.0, "auto"), "t1": (1.0, "exact"), "typical": (1.0, "typical")}
-
-
-def heldout_rows(tokenizer, n: int, max_length: int = 256) -> list[dict]:
-    cfg = DataConfig(split="heldout", limit=n, max_length=max_length, on_no_assistant="drop")
-    return [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in build_dataset(cfg, tokenizer)]
 
 
 def decode_figures(name: str, run: Path, args) -> dict:
     """tau / acceptance / speedup of one drafter for chain and tree, at every setting."""
     drafter = load_medusa(find_drafter(run))
     target, heads = drafter.target, drafter.heads
-    acc = rank_accuracy(target, heads, heldout_rows(target.tokenizer, args.heldout), args.tree_ranks)  # [K, R]
+    acc = rank_accuracy(target, heads, heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout), args.tree_ranks)  # [K, R]
     tree, expected = greedy_tree(acc, args.tree_budget)
     prompts = render_prompts(target.tokenizer, load_prompts(Path(args.prompts), args.num_prompts))
     out = {f"{name}.tree.nodes": len(tree), f"{name}.tree.expected_tau": expected,
@@ -86,7 +80,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def train_cost(name: str, run: Path, args) -> dict:
     """Step time of the method (forward, backward, AdamW) over the frozen target's forward-only time."""
-    meta = json.loads((find_drafter(run) / "drafter.json").read_text())
+    meta = read_drafter_meta(find_drafter(run))
     target = load_target(meta["target"])
     cfg = MedusaConfig(**meta["medusa"])
     rows = build_dataset(DataConfig(max_length=args.seq_len, overlong="drop", on_no_assistant="drop", pack=True,

@@ -1,11 +1,9 @@
-"""Shared fixtures and helpers: a tiny chat target saved like any Hugging Face model; entry scripts as modules; the
+"""Shared fixtures and helpers: a tiny chat target saved like any Hugging Face model; entry scripts by name; the
 drafter tests' random drafters, short training runs and chi-square test of sampled output."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,18 +12,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
+from draftsmith.train.entries import TRAIN
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def script(rel: str):
-    """Import an entry script (train/*.py, scripts/*.py, run by path) as a module: `from conftest import script`."""
-    name = f"_script_{Path(rel).stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    """A training entry script (train/METHOD.py) as the module `draftsmith train METHOD` runs."""
+    return TRAIN[Path(rel).stem]
 
 
 @pytest.fixture(scope="session")

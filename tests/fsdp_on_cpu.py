@@ -11,6 +11,7 @@ loop's FSDP2 paths run for real without GPUs:
 
 import runpy
 import sys
+from pathlib import Path
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
@@ -28,4 +29,4 @@ def _init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
 
 AcceleratorState.__init__ = _init_with_fsdp
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module(f"draftsmith.train.{Path(sys.argv[0]).stem}", run_name="__main__", alter_sys=True)  # train/METHOD.py

@@ -1,4 +1,5 @@
-"""The leaderboard harness (scripts/bench.py): the speedup model by hand, and a real run on a tiny target."""
+"""The leaderboard harness (draftsmith bench, train/bench.py): the speedup model by hand (decoding/cost.py), and a
+real run on a tiny target."""
 
 from __future__ import annotations
 
@@ -6,17 +7,18 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import script
 
+from draftsmith.decoding import cost
 from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.train import bench as leaderboard
 
 
 def bench():
-    return script("scripts/bench.py")
+    return leaderboard
 
 
 def test_predicted_speedup_matches_hand_values():
-    f = bench().predicted_speedup
+    f = cost.predicted_speedup
     assert f(0.5, 0.1, 2) == pytest.approx((1 - 0.5 ** 3) / (0.5 * 1.2))  # 1.4583
     assert f(0.0, 0.2, 3) == pytest.approx(1 / 1.6)  # nothing accepted: only the bonus token, drafting wasted
     assert f(1.0, 0.0, 4) == pytest.approx(5.0)  # everything accepted, free drafter: gamma + 1 tokens per forward
@@ -27,7 +29,7 @@ def test_speedup_model_reads_alpha_and_c_from_the_decode_statistics():
     stats = DecodeStats(steps=10, drafted=40, drafter_s=0.2, target_s=1.0,
                         reached=Counter({1: 10, 2: 6, 3: 3}), passed=Counter({1: 6, 2: 3, 3: 1}))
     rel = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}  # a CPU-like verify-cost curve
-    m = bench().speedup_model(stats, gamma=4, max_gamma=8, rel=rel, plain_step_s=0.05)
+    m = cost.speedup_model(stats, gamma=4, max_gamma=8, rel=rel, plain_step_s=0.05)
     alpha, c = 10 / 19, (0.2 / 40) / (1.0 / 10)  # accepted / offered positions; 5 ms per drafted token / 100 ms
     c_plain = (0.2 / 40) / 0.05  # 5 ms per drafted token / a 50 ms plain step
     assert m["alpha"] == pytest.approx(alpha) and m["c"] == pytest.approx(c) and m["c_plain"] == pytest.approx(c_plain)
@@ -37,7 +39,7 @@ def test_speedup_model_reads_alpha_and_c_from_the_decode_statistics():
     assert m["predicted_speedup_flat"] == pytest.approx((1 - alpha ** 5) / ((1 - alpha) * (1 + 4 * c)))
     assert m["predicted_tau"] == pytest.approx((1 - alpha ** 5) / (1 - alpha))
     assert m["gamma_star"] == max(by_hand, key=by_hand.get) == 1  # on this curve every extra draft costs more than it brings
-    assert bench().speedup_model(stats, 2, 2, rel, 0.05)["gamma_star"] <= 2  # Medusa: no more heads than it has
+    assert cost.speedup_model(stats, 2, 2, rel, 0.05)["gamma_star"] <= 2  # Medusa: no more heads than it has
 
 
 def test_merge_compares_the_reference_target_and_prompts_by_their_place_in_the_checkout():
@@ -92,7 +94,7 @@ def test_every_method_is_lossless_and_the_outputs_are_written(first_run):
     assert m["gamma"] == 5 and 0 <= m["alpha"] <= 1 and m["c"] > 0 and 1 <= m["gamma_star"] <= 8
     table = (out / "first" / "leaderboard.md").read_text()
     assert "| Medusa-1 | tree |" in table and "| prompt lookup (n-gram) | chain |" in table
-    c = bench().drafting_cost(draft["by_temperature"]["0"])
+    c = cost.drafting_cost(draft["by_temperature"]["0"])
     assert c == pytest.approx(m["c"], rel=1e-2) and f"| {c:.3f} |" in table  # c beside tau (from rounded JSON)
     for name in ("tau", "acceptance", "tau_vs_step"):
         assert (out / "first" / f"leaderboard_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 
 from draftsmith.train import config as C
+from draftsmith.train.entries import TRAIN
 from draftsmith.train.target import Recipe as TargetRecipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -49,6 +49,6 @@ def test_yaml_is_data_not_code(tmp_path):
 @pytest.mark.parametrize("recipe", sorted(p for p in RECIPES.glob("*/*.yaml") if p.parent.name != "accelerate"),
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_recipe_parses_against_its_script(recipe):
-    script = importlib.import_module(f"draftsmith.train.{recipe.parent.name}")
+    script = TRAIN[recipe.parent.name]
     cfg = C.load(script.Recipe, recipe)
     assert C.to_dict(cfg)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.data.tokenizer import END, train_bpe
 from draftsmith.decoding import PromptLookup
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator, render_prompts
+from draftsmith.train import evaluate as evaluate_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
@@ -45,10 +45,7 @@ def tiny(tmp_path_factory):
 
 
 def run_script(*argv: str) -> dict:
-    spec = importlib.util.spec_from_file_location("evaluate_script", ROOT / "scripts" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(list(argv))
+    return evaluate_command.main(list(argv))
 
 
 def test_render_prompts_uses_the_chat_template_for_messages(tiny):

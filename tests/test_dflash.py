@@ -14,9 +14,9 @@ from test_decoding_generate import CONFIGS
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
-from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.dflash import DFlash, DFlashConfig, DFlashProposer, default_aux_layers, load_dflash
+from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 

@@ -4,7 +4,6 @@ assisted generation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.data.reference import stdlib_files
 from draftsmith.data.tokenizer import train_bpe
 from draftsmith.decoding import speculative_generate
-from draftsmith.decoding.proposers import DraftModel, load_proposer, truncated_copy
+from draftsmith.decoding.cost import alpha_from_tau, predicted_speedup
+from draftsmith.decoding.proposers import DraftModel, truncated_copy
 from draftsmith.models.distill import (
     Distill,
     DistillConfig,
@@ -26,9 +26,10 @@ from draftsmith.models.distill import (
     prompts_of,
     sample_on_policy,
 )
-from draftsmith.models.export import export, load
 from draftsmith.models.lm import masked_ce
+from draftsmith.models.registry import export, load, load_proposer
 from draftsmith.models.target import load_target
+from draftsmith.train import regenerate
 from draftsmith.train.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,9 +226,6 @@ def test_recipe_trains_on_and_off_policy_measures_tau_and_keeps_a_loadable_best(
 
 
 def test_regenerated_and_mixed_sequences(tiny_chat_target, tmp_path):
-    spec = importlib.util.spec_from_file_location("regenerate", REPO / "scripts" / "regenerate.py")
-    regenerate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(regenerate)
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"},
                                                      {"role": "assistant", "content": "    return x"}]}) + "\n"
@@ -283,11 +281,8 @@ def test_export_loads_in_transformers_and_assisted_generation_equals_greedy(tiny
 
 
 def test_bench_alpha_and_predicted_speedup():
-    spec = importlib.util.spec_from_file_location("bench_distill", REPO / "scripts" / "bench_distill.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     for alpha in (0.0, 0.3, 0.8):
         tau = sum(alpha ** k for k in range(5))  # expected tokens per step at gamma 4 with i.i.d. acceptance alpha
-        assert bench.alpha_from_tau(tau, 4) == pytest.approx(alpha, abs=1e-6)
-        assert bench.predicted_speedup(alpha, 0.0, 4) == pytest.approx(tau)
-    assert bench.predicted_speedup(0.8, 0.25, 4) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))
+        assert alpha_from_tau(tau, 4) == pytest.approx(alpha, abs=1e-6)
+        assert predicted_speedup(alpha, 0.0, 4) == pytest.approx(tau)
+    assert predicted_speedup(0.8, 0.25, 4) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))

@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
-from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import (
     Eagle,
@@ -23,6 +22,7 @@ from draftsmith.models.eagle import (
     draft_vocab,
     load_eagle,
 )
+from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
 from draftsmith.train.config import ConfigError

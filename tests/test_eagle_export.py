@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import script
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models import export as E
+from draftsmith.models import registry as R
 from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafter, EagleProposer, additive, load_drafter
 from draftsmith.models.target import Target
+from draftsmith.train import export as export_command
 
 REPO = Path(__file__).resolve().parent.parent
 V, L, H = 96, 6, 32
@@ -87,9 +87,9 @@ def proposals(drafter: EagleDrafter, layers: list[int], target: Target, mode: st
 @pytest.mark.parametrize("fmt,version", [("sglang", 3), ("vllm", 3), ("speculators", 3), ("vllm", 1)])
 def test_round_trip_gives_identical_tensors_drafts_and_decoding(fmt, version, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", version, aux_layers=(1, 3, 4))
-    out = script("scripts/export.py").main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
+    out = export_command.main([str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
     original, meta = load_drafter(src)
-    loaded, back = E.load("eagle", fmt, out)
+    loaded, back = R.load("eagle", fmt, out)
     a, b = original.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys()
     for k in a:
@@ -111,7 +111,7 @@ def test_round_trip_gives_identical_tensors_drafts_and_decoding(fmt, version, ta
 def test_layers_trained_out_of_order_are_served_in_layer_order_with_fc_permuted(fmt, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", aux_layers=(4, 1, 3))
     original, meta = load_drafter(src)
-    loaded, back = E.load("eagle", fmt, E.export(src, fmt, tmp_path / fmt))
+    loaded, back = R.load("eagle", fmt, R.export(src, fmt, tmp_path / fmt))
     assert back["aux_layers"] == [1, 3, 4]
     assert not torch.equal(loaded.fc.weight, original.fc.weight)  # the blocks really moved
     ids, hs = hidden_states(target)
@@ -130,17 +130,17 @@ def test_layers_trained_out_of_order_are_served_in_layer_order_with_fc_permuted(
 def test_fc_norm_is_exported_as_the_engines_read_it_and_permuted_with_fc(fmt, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", aux_layers=(4, 1, 3), fc_norm=True)
     original, meta = load_drafter(src)
-    out = E.export(src, fmt, tmp_path / fmt)
+    out = R.export(src, fmt, tmp_path / fmt)
     cfg, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
     assert cfg["fc_norm"] is True and cfg.get("norm_before_fc", False) is False
     for i, k in enumerate([1, 2, 0]):  # layers (4, 1, 3) are served as (1, 3, 4)
         assert torch.equal(tensors[f"fc_norm.{i}.weight"], original.fc_norm[k].weight)
-    loaded, back = E.load("eagle", fmt, out)
+    loaded, back = R.load("eagle", fmt, out)
     assert loaded.fc_norm is not None
     ids, hs = hidden_states(target)
     torch.testing.assert_close(draft_logits(loaded, target, ids, features(hs, back["aux_layers"])),
                                draft_logits(original, target, ids, features(hs, meta["aux_layers"])))
-    without = E.load("eagle", fmt, E.export(drafter_dir(target, tmp_path / "plain"), fmt, tmp_path / f"{fmt}-plain"))[0]
+    without = R.load("eagle", fmt, R.export(drafter_dir(target, tmp_path / "plain"), fmt, tmp_path / f"{fmt}-plain"))[0]
     assert without.fc_norm is None
 
 
@@ -167,9 +167,9 @@ def vllm_captures(cfg: dict) -> list[int]:
 def test_each_engine_captures_the_trained_layers_and_drafts_what_was_trained(fmt, engines, target, tmp_path):
     src = drafter_dir(target, tmp_path / "drafter", aux_layers=(4, 1, 3))
     original, meta = load_drafter(src)
-    out = E.export(src, fmt, tmp_path / fmt)
+    out = R.export(src, fmt, tmp_path / fmt)
     cfg = json.loads((out / "config.json").read_text())
-    loaded, _ = E.load("eagle", fmt, out)
+    loaded, _ = R.load("eagle", fmt, out)
     ids, hs = hidden_states(target, seed=7)
     expected = draft_logits(original, target, ids, features(hs, meta["aux_layers"]))
     for captures in engines:
@@ -187,7 +187,7 @@ def test_each_engine_captures_the_trained_layers_and_drafts_what_was_trained(fmt
 
 def test_the_two_conventions_really_differ(target, tmp_path):
     """SGLang reading vLLM's ids (or the reverse) would fuse the wrong layers."""
-    cfg = json.loads((E.export(drafter_dir(target, tmp_path / "d"), "vllm", tmp_path / "v") / "config.json").read_text())
+    cfg = json.loads((R.export(drafter_dir(target, tmp_path / "d"), "vllm", tmp_path / "v") / "config.json").read_text())
     assert sglang_captures({"eagle_config": cfg}) == [2, 4, 5] != vllm_captures(cfg) == [1, 3, 4]
 
 
@@ -203,7 +203,7 @@ KV = 2 * 8  # key/value heads x head_dim
 
 
 def exported(target, tmp_path, fmt, version=3) -> tuple[dict, dict[str, torch.Tensor]]:
-    out = E.export(drafter_dir(target, tmp_path / "drafter", version), fmt, tmp_path / fmt)
+    out = R.export(drafter_dir(target, tmp_path / "drafter", version), fmt, tmp_path / fmt)
     return json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
 
 
@@ -348,18 +348,18 @@ def test_speculators_config_and_tensors(target, tmp_path):
 
 
 def test_loaders_refuse_what_the_engine_would_misread(target, tmp_path):
-    out = E.export(drafter_dir(target, tmp_path / "drafter"), "speculators", tmp_path / "spec")
+    out = R.export(drafter_dir(target, tmp_path / "drafter"), "speculators", tmp_path / "spec")
     cfg = json.loads((out / "config.json").read_text())
     del cfg["norm_before_residual"]  # vLLM would read it as true
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="norm_before_residual"):
-        E.load("eagle", "speculators", out)
-    out = E.export(tmp_path / "drafter", "sglang", tmp_path / "sglang")
+        R.load("eagle", "speculators", out)
+    out = R.export(tmp_path / "drafter", "sglang", tmp_path / "sglang")
     cfg = json.loads((out / "config.json").read_text())
     del cfg["eagle_config"]  # SGLang would capture its default layers
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="eagle_config"):
-        E.load("eagle", "sglang", out)
+        R.load("eagle", "sglang", out)
 
 
 # ---- refusals and the script ----------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def test_an_eagle1_drafter_in_an_eagle3_format_names_the_format_that_works(fmt, 
     src = drafter_dir(target, tmp_path / "drafter", version=1)
     with pytest.raises(ValueError, match=f"format {fmt} holds EAGLE-3 drafters and this one is EAGLE-1; use --format "
                                          "vllm$"):
-        E.export(src, fmt, tmp_path / fmt)
+        R.export(src, fmt, tmp_path / fmt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
@@ -380,7 +380,7 @@ def test_layers_no_engine_can_capture_are_refused(aux_layers, match, target, tmp
     src = drafter_dir(target, tmp_path / "drafter", aux_layers=aux_layers)
     for fmt in EAGLE3:
         with pytest.raises(ValueError, match=match):
-            E.export(src, fmt, tmp_path / fmt)
+            R.export(src, fmt, tmp_path / fmt)
 
 
 def test_an_unreadable_target_is_a_clear_error(target, tmp_path):
@@ -388,13 +388,13 @@ def test_an_unreadable_target_is_a_clear_error(target, tmp_path):
     meta = json.loads((src / "drafter.json").read_text())
     (src / "drafter.json").write_text(json.dumps({**meta, "target": str(tmp_path / "gone")}))
     with pytest.raises(ValueError, match="cannot read the config of the target"):
-        E.export(src, "vllm", tmp_path / "out")
+        R.export(src, "vllm", tmp_path / "out")
 
 
 def test_script_export_is_atomic_and_never_overwrites_silently(target, tmp_path, capsys):
     run = tmp_path / "run"
     drafter_dir(target, run / "best")
-    out, main = tmp_path / "out", script("scripts/export.py").main
+    out, main = tmp_path / "out", export_command.main
     main([str(run), "--format", "sglang", "--out", str(out)])
     assert "(eagle) as sglang" in capsys.readouterr().out
     before = (out / "model.safetensors").read_bytes()

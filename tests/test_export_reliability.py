@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, script
+from conftest import REPO
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from draftsmith.models.export import EXPORT_FILE, export, load
+from draftsmith.models.export import EXPORT_FILE
+from draftsmith.models.registry import export, load
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import distill, eagle3, layerskip, medusa
+from draftsmith.train import evaluate as evaluate_command
 
 GIVEN = "models/reference-target"  # the recipes' relative target.path
 TINY = ["loop.max_steps=1", "loop.batch_size=2", "data.limit=8", "data.pack=false", "eval.num_prompts=1",
@@ -80,7 +82,7 @@ def test_layerskip_export_is_the_trained_target_with_assistant_early_exit(runs, 
 
 
 def test_evaluate_measures_every_export_as_the_checkpoint_evaluation_did(runs, tmp_path):
-    evaluate = script("scripts/evaluate.py")
+    evaluate = evaluate_command
     for name, fmt, out in exports(runs, tmp_path):
         best = json.loads((runs[name] / "best" / "best.json").read_text())
         logged = best["tau"] if name != "layerskip" else best["tau_exit2"]
@@ -91,12 +93,12 @@ def test_evaluate_measures_every_export_as_the_checkpoint_evaluation_did(runs, t
 
 
 def test_an_export_the_disk_cannot_hold_is_refused_before_writing(runs, tmp_path, monkeypatch):
-    from draftsmith.train import guard
+    from draftsmith.data import core
 
-    real = guard.shutil.disk_usage
-    monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
-    with pytest.raises(guard.DiskFull) as e:
+    real = core.shutil.disk_usage
+    monkeypatch.setattr(core.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(core.DiskFull) as e:
         export(runs["medusa"] / "best", "hf", tmp_path / "out")
-    assert guard.one_line(e.value).startswith("not enough disk space for the hf export: needs about 0.0")
-    assert guard.one_line(e.value).endswith("; free space or choose another --out")
+    assert core.one_line(e.value).startswith("not enough disk space for the hf export: needs about 0.0")
+    assert core.one_line(e.value).endswith("; free space or choose another --out")
     assert list(tmp_path.iterdir()) == []

@@ -13,10 +13,11 @@ from conftest import script
 from transformers import LlamaForCausalLM
 
 from draftsmith.data import hidden_cache as hc
+from draftsmith.data.core import collate
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.hidden_cache import CacheError, HiddenCache, collate_features, write_cache
 from draftsmith.models.target import Target, load_target
-from draftsmith.train.loop import collate
+from draftsmith.train import cache as cache_command
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = [1, 2, 4]
@@ -165,7 +166,7 @@ def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, 
               "loop.batch_size=2", "loop.max_steps=5", "loop.save_every=5", "loop.log_every=1", "loop.best_metric=",
               "loop.lr=1e-2"]
     config = ["--config", str(REPO / "recipes" / recipe)]
-    m = script("scripts/cache_hidden_states.py").main([*config, *common, "--out", str(tmp_path / "cache"),
+    m = cache_command.main([*config, *common, "--out", str(tmp_path / "cache"),
                                                        "--dtype", "float32", "--shard-tokens", "200"])
     assert len(m["shards"]) > 1
     entry = "train/p_eagle.py" if recipe.startswith("p_eagle") else "train/eagle.py"

@@ -324,7 +324,7 @@ def test_lora_export_is_a_merged_plain_model(tmp_path):
 def test_layerskip_recipe_trains_measures_tau_per_exit_and_records_the_best(tiny_chat_target, tmp_path):
     from transformers import GenerationConfig
 
-    from draftsmith.decoding.proposers import load_proposer
+    from draftsmith.models.registry import load_proposer
     from draftsmith.train import layerskip as script
 
     loop = script.main(["--config", "recipes/layerskip/tiny-code.yaml", f"target.path={tiny_chat_target}",

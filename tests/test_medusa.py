@@ -26,9 +26,9 @@ from draftsmith.data.tokenizer import train_bpe
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import Verified
-from draftsmith.decoding.proposers import load_proposer as decoder_load_proposer
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models import export as E
+from draftsmith.models import registry as R
 from draftsmith.models.lm import masked_ce
 from draftsmith.models.medusa import (
     Medusa,
@@ -44,8 +44,10 @@ from draftsmith.models.medusa import (
     rank_accuracy,
     shifted_mask,
 )
+from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
+from draftsmith.train import export as export_command
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -306,9 +308,9 @@ def same_proposals(a, b, k: int = 3):
 
 @pytest.mark.parametrize("fmt", ["medusa", "tgi", "vllm", "hf"])
 def test_medusa1_export_round_trip(fmt, medusa1_run, tmp_path):
-    out = script("scripts/export.py").main([str(medusa1_run), "--format", fmt, "--out", str(tmp_path / fmt)])
+    out = export_command.main([str(medusa1_run), "--format", fmt, "--out", str(tmp_path / fmt)])
     original = load_medusa(medusa1_run / "best")
-    loaded = E.load("medusa", fmt, out)
+    loaded = R.load("medusa", fmt, out)
     same_proposals(original, loaded)
     ids = torch.randint(1, 100, (1, 8))
     torch.testing.assert_close(loaded.target.model(ids).logits, original.target.model(ids).logits)
@@ -316,9 +318,9 @@ def test_medusa1_export_round_trip(fmt, medusa1_run, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["medusa", "vllm", "hf"])
 def test_medusa2_export_carries_the_merged_backbone(fmt, medusa2_run, tmp_path):
-    out = E.export(medusa2_run / "best", fmt, tmp_path / fmt)
+    out = R.export(medusa2_run / "best", fmt, tmp_path / fmt)
     original = load_medusa(medusa2_run / "best")
-    loaded = E.load("medusa", fmt, out)
+    loaded = R.load("medusa", fmt, out)
     same_proposals(original, loaded)
     base = load_target(json.loads((medusa2_run / "best" / "drafter.json").read_text())["target"])
     ids = torch.randint(1, 100, (1, 8))
@@ -333,10 +335,10 @@ def test_vllm_shared_lm_head_writes_one_projection(tiny_target_dir, tmp_path):
         for p in method.heads.blocks.parameters():
             p.normal_(0, 0.1)
     method.save_pretrained(tmp_path / "drafter")
-    out = E.export(tmp_path / "drafter", "vllm", tmp_path / "vllm")
+    out = R.export(tmp_path / "drafter", "vllm", tmp_path / "vllm")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["original_lm_head"] is True and cfg["model_type"] == "medusa"
-    same_proposals(load_medusa(tmp_path / "drafter"), E.load("medusa", "vllm", out))
+    same_proposals(load_medusa(tmp_path / "drafter"), R.load("medusa", "vllm", out))
 
 
 def test_export_refuses_non_empty_out_and_never_leaves_a_partial_dir(medusa1_run, tmp_path, monkeypatch):
@@ -344,17 +346,17 @@ def test_export_refuses_non_empty_out_and_never_leaves_a_partial_dir(medusa1_run
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        E.export(medusa1_run / "best", "medusa", out)
+        R.export(medusa1_run / "best", "medusa", out)
     assert (out / "keep.txt").is_file()
-    E.export(medusa1_run / "best", "medusa", out, overwrite=True)
+    R.export(medusa1_run / "best", "medusa", out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "medusa_lm_head.safetensors").is_file()
 
     def broken(drafter_dir, tmp, final):
         (tmp / "config.json").write_text("{}")
         raise RuntimeError("disk full")
-    monkeypatch.setitem(E._REGISTRY, ("medusa", "medusa"), E.Format(broken, lambda p: None))
+    monkeypatch.setitem(R.METHODS["medusa"].formats, "medusa", E.Format(broken, lambda p: None))
     with pytest.raises(RuntimeError, match="disk full"):
-        E.export(medusa1_run / "best", "medusa", tmp_path / "fresh")
+        R.export(medusa1_run / "best", "medusa", tmp_path / "fresh")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # neither fresh/ nor a temporary dir
 
 

@@ -16,6 +16,7 @@ from test_eagle_export import H, L, V
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models import export as E
+from draftsmith.models import registry as R
 from draftsmith.models.dflash import DFlash, DFlashConfig, DFlashProposer
 from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.p_eagle import PEagle, PEagleProposer
@@ -50,8 +51,8 @@ def p_eagle_dir(target: Target, out: Path, aux_layers=(4, 1, 3)) -> Path:
 
 def test_p_eagle_round_trip_drafts_the_same_block(target, tmp_path):
     src = p_eagle_dir(target, tmp_path / "run")
-    E.export(src, "vllm", tmp_path / "vllm")
-    drafter, meta = E.load("p_eagle", "vllm", tmp_path / "vllm")
+    R.export(src, "vllm", tmp_path / "vllm")
+    drafter, meta = R.load("p_eagle", "vllm", tmp_path / "vllm")
     assert meta["aux_layers"] == [1, 3, 4] and meta["ptd_token_id"] == 7 and meta["method"] == "p_eagle"
     from draftsmith.models.p_eagle import load_proposer
 
@@ -63,7 +64,7 @@ def test_p_eagle_round_trip_drafts_the_same_block(target, tmp_path):
 
 
 def test_p_eagle_vllm_config_and_tensors(target, tmp_path):
-    E.export(p_eagle_dir(target, tmp_path / "run"), "vllm", tmp_path / "vllm")
+    R.export(p_eagle_dir(target, tmp_path / "run"), "vllm", tmp_path / "vllm")
     cfg = json.loads((tmp_path / "vllm" / "config.json").read_text())
     tensors = load_file(tmp_path / "vllm" / "model.safetensors")
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -74,7 +75,7 @@ def test_p_eagle_vllm_config_and_tensors(target, tmp_path):
     del tensors["mask_hidden"]  # vLLM refuses a parallel-drafting load without it
     save_file(tensors, tmp_path / "vllm" / "model.safetensors")
     with pytest.raises(ValueError, match="mask_hidden"):
-        E.load("p_eagle", "vllm", tmp_path / "vllm")
+        R.load("p_eagle", "vllm", tmp_path / "vllm")
 
 
 def test_parallel_drafting_token_is_read_in_vllms_order():
@@ -99,8 +100,8 @@ def dflash_dir(target: Target, out: Path, aux_layers=(4, 1, 3)) -> Path:
 @pytest.mark.parametrize("fmt", ["vllm", "sglang"])
 def test_dflash_round_trip_drafts_the_same_block(fmt, target, tmp_path):
     src = dflash_dir(target, tmp_path / "run")
-    E.export(src, fmt, tmp_path / fmt)
-    drafter, meta = E.load("dflash", fmt, tmp_path / fmt)
+    R.export(src, fmt, tmp_path / fmt)
+    drafter, meta = R.load("dflash", fmt, tmp_path / fmt)
     assert meta["aux_layers"] == [1, 3, 4] and meta["mask_token_id"] == 9 and meta["block_size"] == 5
     from draftsmith.models.dflash import load_proposer
 
@@ -112,7 +113,7 @@ def test_dflash_round_trip_drafts_the_same_block(fmt, target, tmp_path):
 
 
 def test_dflash_config_as_the_engines_read_it(target, tmp_path):
-    E.export(dflash_dir(target, tmp_path / "run"), "vllm", tmp_path / "out")
+    R.export(dflash_dir(target, tmp_path / "run"), "vllm", tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_hidden_layers"] == 2 and cfg["block_size"] == 5
     assert cfg["dflash_config"] == {"mask_token_id": 9, "target_layer_ids": [0, 2, 3]}  # layer outputs
@@ -127,10 +128,10 @@ def test_dflash_config_as_the_engines_read_it(target, tmp_path):
     cfg["dflash_config"]["causal"] = True
     (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="causal"):
-        E.load("dflash", "vllm", tmp_path / "out")
+        R.load("dflash", "vllm", tmp_path / "out")
 
 
 def test_dflash_layers_no_engine_can_capture_are_refused(target, tmp_path):
     with pytest.raises(ValueError, match="1..5"):
-        E.export(dflash_dir(target, tmp_path / "run", aux_layers=(2, L)), "vllm", tmp_path / "out")
+        R.export(dflash_dir(target, tmp_path / "run", aux_layers=(2, L)), "vllm", tmp_path / "out")
     assert not (tmp_path / "out").exists()

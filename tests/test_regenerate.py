@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,11 +10,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.tokenizer import END, train_bpe
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "regenerate.py"
-spec = importlib.util.spec_from_file_location("regenerate", SCRIPT)
-regenerate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(regenerate)
+from draftsmith.train import regenerate
 
 ROWS = [
     {"id": "one-turn", "source": "a.py", "messages": [{"role": "user", "content": "def add(a, b):"},
@@ -119,15 +114,15 @@ def test_sampling_and_bad_input(target, tmp_path):
 
 
 def test_too_little_disk_for_the_output_is_refused_before_generating(target, tmp_path, monkeypatch):
-    from draftsmith.train import guard
+    from draftsmith.data import core
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     need = regenerate.output_bytes(regenerate.conversations(str(data), "train", 0), 6)
     assert need > sum(len(json.dumps(r)) for r in ROWS) + 5 * 6 * 16 - 1  # five replies of up to 6 tokens each
-    real = guard.shutil.disk_usage
-    monkeypatch.setattr(guard.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
-    with pytest.raises(guard.DiskFull, match=rf"not enough disk space for {tmp_path / 'out.jsonl'} \(4 conversations\)"
+    real = core.shutil.disk_usage
+    monkeypatch.setattr(core.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
+    with pytest.raises(core.DiskFull, match=rf"not enough disk space for {tmp_path / 'out.jsonl'} \(4 conversations\)"
                                              r": needs about .* free space or write --out elsewhere"):
         run(target, data, tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()

@@ -16,6 +16,7 @@ import torch
 import yaml
 from test_loop import Recorder, loop_cfg, tiny_method
 
+from draftsmith.data import core
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import guard
 from draftsmith.train import loop as L
@@ -132,7 +133,7 @@ def test_divergence_stops_on_an_exploding_loss_keeping_the_last_good_checkpoint(
     loop = L.Loop(loop_cfg(tmp_path, max_steps=20, save_every=4), Exploding(at=7, factor=1e3), Recorder(40))
     with pytest.raises(L.TrainingDiverged) as e:
         loop.run()
-    message = guard.one_line(e.value)
+    message = core.one_line(e.value)
     assert message.startswith("training diverged at step 7: loss ")
     assert "> 10 x the median" in message and f"the last good checkpoint {tmp_path / 'checkpoint-4'} is kept" in message
     assert [c.name for c in L.checkpoints(tmp_path)] == ["checkpoint-4"] and guard.verify(tmp_path / "checkpoint-4") == ""
@@ -196,7 +197,7 @@ def test_a_second_trainer_on_a_locked_run_directory_refuses(tmp_path):
     finally:
         other.kill()
         other.wait()
-    assert guard.one_line(e.value) == (
+    assert core.one_line(e.value) == (
         f"{tmp_path} is in use by pid {other.pid} on {socket.gethostname()} (since 2026-01-01T00:00:00); wait for it "
         f"or stop it, or use another loop.output_dir (if that trainer is gone, delete {tmp_path / guard.LOCK})")
     assert sorted(p.name for p in tmp_path.iterdir()) == [guard.LOCK]  # nothing written
@@ -244,11 +245,11 @@ def test_too_little_free_space_refuses_the_checkpoint_before_writing(tmp_path, m
     loop = L.Loop(loop_cfg(tmp_path, max_steps=8), tiny_method(), Recorder())
     free = shutil.disk_usage(tmp_path)
     real = shutil.disk_usage
-    monkeypatch.setattr(guard.shutil, "disk_usage",
+    monkeypatch.setattr(core.shutil, "disk_usage",
                         lambda p: free._replace(free=1 << 20) if loop.state.step >= 8 else real(p))
-    with pytest.raises(guard.DiskFull) as e:
+    with pytest.raises(core.DiskFull) as e:
         loop.run()
-    message = guard.one_line(e.value)
+    message = core.one_line(e.value)
     assert message.startswith("not enough disk space for checkpoint-8: needs about ") and "0.00 GB free under" in message
     assert f"the last good checkpoint {tmp_path / 'checkpoint-4'} is intact" in message
     assert [c.name for c in L.checkpoints(tmp_path)] == ["checkpoint-4"] and not (tmp_path / "checkpoint-8.tmp").exists()
@@ -264,8 +265,8 @@ def test_disk_filling_up_during_a_write_leaves_no_partial_checkpoint(tmp_path, m
         return real(obj, path, *a, **k)
 
     monkeypatch.setattr(L.torch, "save", full)
-    with pytest.raises(guard.DiskFull) as e:
+    with pytest.raises(core.DiskFull) as e:
         loop.run()
-    assert guard.one_line(e.value).startswith("the disk filled up while writing checkpoint-8 (")
-    assert "nothing of it was kept" in guard.one_line(e.value)
+    assert core.one_line(e.value).startswith("the disk filled up while writing checkpoint-8 (")
+    assert "nothing of it was kept" in core.one_line(e.value)
     assert [c.name for c in L.checkpoints(tmp_path)] == ["checkpoint-4"] and not (tmp_path / "checkpoint-8.tmp").exists()

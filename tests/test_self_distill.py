@@ -6,11 +6,10 @@ import collections
 import gzip
 import json
 
-from conftest import script
-
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.prompts import build_prompts
 from draftsmith.data.reference import load_prompts
+from draftsmith.train import self_distill
 
 
 def test_prompts_are_diverse_distinct_and_split_by_first_user_turn():
@@ -28,7 +27,7 @@ def test_prompts_are_diverse_distinct_and_split_by_first_user_turn():
 
 
 def test_self_distill_answers_resumes_and_finalizes(tiny_chat_target, tmp_path):
-    sd = script("scripts/self_distill.py")
+    sd = self_distill
     args = ["--target", str(tiny_chat_target), "--num-prompts", "24", "--max-new-tokens", "6", "--batch-size", "8",
             "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     sd.main(args)

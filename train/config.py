@@ -15,9 +15,15 @@ from typing import Any, Literal
 
 import yaml
 
+import draftsmith.data
+import draftsmith.models
+from draftsmith.data.core import ConfigError
+from draftsmith.data.reference import PROMPTS_PATH
+from draftsmith.recipes import RECIPES
 
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the config schema."""
+# folders shipped inside the package, so that a recipe's `models/reference-target` or `recipes/...` works anywhere
+SHIPPED = {"models": Path(draftsmith.models.__file__).parent, "data": Path(draftsmith.data.__file__).parent,
+           "recipes": RECIPES}
 
 
 @dataclasses.dataclass
@@ -53,7 +59,6 @@ class LoopConfig:
     log_every: int = 10
     tracker: Literal["none", "wandb", "tensorboard", "trackio"] = "none"
     project: str = "draftsmith"
-    num_workers: int = 0
 
     def __post_init__(self):
         _check(self.max_steps > 0, "loop.max_steps", "must be > 0")
@@ -68,6 +73,25 @@ class LoopConfig:
         _check(self.divergence_factor == 0 or self.divergence_factor > 1, "loop.divergence_factor",
                "must be > 1 (0: stop only on NaN/inf)")
         _check(self.divergence_window >= 2, "loop.divergence_window", "must be >= 2")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """The `eval` section of every recipe: held-out rows scored at every checkpoint (the reference held-out split
+    unless heldout_path is set) and the held-out prompts decoded there to measure tau. A method adds its own
+    decoding settings in a subclass beside its entry script."""
+
+    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
+    heldout_split: str = "heldout"
+    heldout_examples: int = 64
+    prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL, messages or prompt)
+    num_prompts: int = 8  # 0: no decoding at checkpoints
+    max_new_tokens: int = 64
+
+    def __post_init__(self):
+        _check(self.heldout_examples >= 0, "eval.heldout_examples", "must be >= 0")
+        _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0: no decoding at checkpoints)")
+        _check(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
 
 
 def check_best_metric(cfg: LoopConfig, produced: list[str], off: str = "") -> None:
@@ -186,11 +210,30 @@ def _set_dotted(tree: dict, dotted: str, value: str) -> None:
     tree[parts[-1]] = value
 
 
+def shipped(path: str) -> str:
+    """A relative path into a shipped folder (models/, data/, recipes/) that is not there from the working directory:
+    the shipped file, so that recipes work outside the checkout; any other path unchanged."""
+    p = Path(path)
+    if p.is_absolute() or not p.parts or p.parts[0] not in SHIPPED or p.exists():
+        return path
+    packaged = SHIPPED[p.parts[0]].joinpath(*p.parts[1:])
+    return str(packaged) if packaged.exists() else path
+
+
+INPUTS = ("path", "heldout_path", "prompts", "init_from", "regenerated", "checkpoint")  # keys naming files read
+
+
+def _shipped_paths(tree: dict) -> dict:
+    return {k: _shipped_paths(v) if isinstance(v, dict) else shipped(v) if k in INPUTS and isinstance(v, str) else v
+            for k, v in tree.items()}
+
+
 def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
-    """Recipe YAML (optional) + `key=value` overrides -> validated `cls` instance."""
+    """Recipe YAML (optional) + `key=value` overrides -> validated `cls` instance (the recipe and the files it reads,
+    `INPUTS`, found by `shipped`)."""
     tree: dict = {}
     if path is not None:
-        path = Path(path)
+        path = Path(shipped(str(path)))
         if not path.is_file():
             raise ConfigError(f"recipe {path} not found; pass --config with a YAML file under recipes/")
         tree = yaml.safe_load(path.read_text()) or {}
@@ -201,7 +244,7 @@ def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. loop.lr=3e-4)")
         key, value = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(value) if value.strip() else "")
-    return build(cls, tree)
+    return build(cls, _shipped_paths(tree))
 
 
 def to_dict(cfg) -> dict:

@@ -21,11 +21,10 @@ from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator
 from draftsmith.models.dflash import DFlash, DFlashConfig
 from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.eagle import EvalConfig
 from draftsmith.train.loop import Loop, collate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass
@@ -52,7 +51,7 @@ def heldout_metrics(method: DFlash, rows: list[dict], batch_size: int = 8) -> di
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/dflash/tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "dflash/tiny-code.yaml", argv, __doc__)
     if cfg.eval.mode != "chain" or cfg.eval.gamma != cfg.dflash.block_size - 1:
         raise C.ConfigError("eval: DFlash drafts a chain of block_size - 1 tokens; set eval.mode=chain and "
                             f"eval.gamma={cfg.dflash.block_size - 1}")

@@ -21,27 +21,26 @@ import datasets
 import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.distill import Distill, DistillConfig, build_draft
 from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @dataclasses.dataclass
-class EvalConfig:
-    prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
-    num_prompts: int = 8
-    max_new_tokens: int = 64
+class EvalConfig(C.EvalConfig):
+    """The shared evaluation (only its prompts: a draft model has no held-out row metrics), at temperatures."""
+
     temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0])  # tau is the first's
 
     def __post_init__(self):
-        if self.num_prompts < 0 or self.max_new_tokens < 1 or not self.temperatures or min(self.temperatures) < 0:
-            raise C.ConfigError("eval: num_prompts >= 0, max_new_tokens >= 1 and temperatures >= 0 are required")
+        super().__post_init__()
+        if not self.temperatures or min(self.temperatures) < 0:
+            raise C.ConfigError("eval.temperatures: at least one, all >= 0")
 
 
 @dataclasses.dataclass
@@ -68,7 +67,7 @@ def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/distill/tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "distill/tiny-code.yaml", argv, __doc__)
     names = decode_metric_names(tuple(cfg.eval.temperatures), cfg.distill.gamma) + ["eval_seconds"]
     C.check_best_metric(cfg.loop, names if cfg.eval.num_prompts else [], "eval.num_prompts=0 turns decoding off, so tau is not measured")
 

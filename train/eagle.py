@@ -22,15 +22,14 @@ import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset, cache_key, heldout_rows
 from draftsmith.data.hidden_cache import HiddenCache, collate_features
-from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.eagle import Eagle, EagleConfig, aux_layers, draft_vocab
 from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass
@@ -39,14 +38,9 @@ class OfflineConfig:
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    """Held-out rows scored at every checkpoint, and the decoding that measures tau."""
+class EvalConfig(C.EvalConfig):
+    """The shared evaluation, decoding with an EAGLE chain or EAGLE-2 tree."""
 
-    heldout_examples: int = 64
-    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
-    prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL)
-    num_prompts: int = 8
-    max_new_tokens: int = 64
     mode: Literal["chain", "tree"] = "chain"  # tree: EAGLE-2 dynamic tree
     gamma: int = 5  # chain length
     top_k: int = 8  # EAGLE-2: children per node and frontier width
@@ -54,9 +48,9 @@ class EvalConfig:
     total_tokens: int = 32  # EAGLE-2: nodes kept
 
     def __post_init__(self):
-        if self.num_prompts < 0 or self.max_new_tokens < 1 or min(self.gamma, self.top_k, self.depth,
-                                                                   self.total_tokens) < 1:
-            raise C.ConfigError("eval: num_prompts >= 0, and max_new_tokens, gamma, top_k, depth, total_tokens >= 1")
+        super().__post_init__()
+        if min(self.gamma, self.top_k, self.depth, self.total_tokens) < 1:
+            raise C.ConfigError("eval: gamma, top_k, depth and total_tokens must be >= 1")
 
     def proposer_kwargs(self) -> dict:
         return dict(mode=self.mode, gamma=self.gamma, top_k=self.top_k, depth=self.depth,
@@ -106,7 +100,7 @@ def metric_names(cfg: Recipe) -> list[str]:
     return names + ["eval_seconds"]
 
 
-def main(argv: list[str] | None = None, default_recipe: Path = REPO / "recipes/eagle/tiny-code.yaml",
+def main(argv: list[str] | None = None, default_recipe: Path = RECIPES / "eagle/tiny-code.yaml",
          doc: str = __doc__, recipe: type = Recipe, build=None) -> Loop:
     """The EAGLE entry point; `recipe` (a Recipe with more sections) and `build(cfg, target, draft_ids) -> method`
     let a variant of the method (train/p_eagle.py) reuse it."""

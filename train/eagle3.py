@@ -8,19 +8,15 @@ see models/eagle.py for the method and train/eagle.py for what is evaluated at e
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from draftsmith.recipes import RECIPES
 from draftsmith.train.eagle import Recipe
 from draftsmith.train.eagle import main as eagle_main
 from draftsmith.train.guard import cli
 
 __all__ = ["Recipe", "main"]  # the EAGLE recipe schema, shared with train/eagle.py
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 def main(argv: list[str] | None = None):
-    return eagle_main(argv, REPO / "recipes/eagle3/tiny-code.yaml", __doc__)
+    return eagle_main(argv, RECIPES / "eagle3/tiny-code.yaml", __doc__)
 
 
 if __name__ == "__main__":

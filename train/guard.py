@@ -1,5 +1,5 @@
 """What keeps a run safe to start, stop and restart: one-line errors, the run-directory lock, checkpoint
-manifests, free-space checks and signal handling.
+manifests and signal handling (the free-space checks are in data/core.py).
 
     if __name__ == "__main__":
         cli(main)          # an entry script: one line per error, the traceback with DRAFTSMITH_DEBUG=1
@@ -10,10 +10,8 @@ that line (under `accelerate launch -q` nothing else follows it) and exits 1.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -21,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from draftsmith.data.core import one_line
 from draftsmith.data.dataset import sha256_file
 
 MANIFEST = "manifest.json"
@@ -40,22 +39,11 @@ class Stopped(KeyboardInterrupt):
         self.code = code
 
 
-class DiskFull(OSError):
-    """Not enough free space for a checkpoint, export or output file."""
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line: its message with newlines folded (KeyError's quotes dropped)."""
-    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    text = " ".join(str(text).split()) or type(e).__name__
-    return text if isinstance(e, (ValueError, OSError, RuntimeError, KeyError)) else f"{type(e).__name__}: {text}"
-
-
-def cli(main: Callable, argv: list[str] | None = None) -> None:
-    """Run an entry point; on an error print `<script>: error: <one line>` and exit 1 (the traceback too when
-    DRAFTSMITH_DEBUG=1)."""
+def cli(main: Callable, argv: list[str] | None = None):
+    """Run an entry point and return what it returns; on an error print `<script>: error: <one line>` and exit 1
+    (the traceback too when DRAFTSMITH_DEBUG=1)."""
     try:
-        main(argv)
+        return main(argv)
     except Stopped as e:
         print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.code)
@@ -159,32 +147,6 @@ def manifest_bytes(d: Path) -> int:
         return sum(f["bytes"] for f in json.loads((d / MANIFEST).read_text())["files"].values())
     except (OSError, ValueError, KeyError):
         return 0
-
-
-# ---- free space ------------------------------------------------------------------------------------
-
-def dir_bytes(d: Path) -> int:
-    return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def check_free(where: Path, need: int, what: str, fix: str) -> None:
-    """Refuse to write `what` (about `need` bytes, plus 5% and 16 MB of slack) under `where` when the disk lacks it."""
-    where = Path(where)
-    probe = next((p for p in [where, *where.parents] if p.exists()), Path("."))
-    free = shutil.disk_usage(probe).free
-    if free < need * 1.05 + (16 << 20):
-        raise DiskFull(f"not enough disk space for {what}: needs about {_gb(need)}, {_gb(free)} free under {probe}; "
-                       f"{fix}")
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """An error raised by a write that ran out of space (torch's zip writer reports it as 'unexpected pos')."""
-    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
-        "unexpected pos" in str(e) or "No space left" in str(e)
 
 
 # ---- signals ---------------------------------------------------------------------------------------

@@ -12,37 +12,34 @@ the best checkpoint is kept by `loop.best_metric` (tau at `eval.select_exit` by 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+from draftsmith.data.core import BEST, best_record, collate, write_drafter_meta
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
-from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
 from draftsmith.models.target import TargetConfig, load_target, target_fields
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
-from draftsmith.train.loop import Loop, collate
-
-REPO = Path(__file__).resolve().parent.parent
+from draftsmith.train.loop import Loop
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    heldout_examples: int = 64  # held-out chat examples scored for per-exit loss and agreement
-    heldout_path: str = ""  # held-out conversations (any data.path format); empty: the reference held-out split
-    prompts: str = str(PROMPTS_PATH)  # JSONL of held-out prompts (messages or prompt per line)
-    num_prompts: int = 8
-    max_new_tokens: int = 64
+class EvalConfig(C.EvalConfig):
+    """The shared evaluation (held-out rows: per-exit loss and agreement), decoding at every exit layer."""
+
     exit_layers: list[int] = dataclasses.field(default_factory=lambda: [2, 4])
     gamma: int = 4  # tokens drafted per step
 
     def __post_init__(self):
-        if self.num_prompts < 0 or self.max_new_tokens < 1 or self.gamma < 1:
-            raise C.ConfigError("eval: num_prompts >= 0, max_new_tokens >= 1 and gamma >= 1 are required")
+        super().__post_init__()
+        if self.gamma < 1:
+            raise C.ConfigError("eval.gamma: must be >= 1")
 
 
 @dataclasses.dataclass
@@ -94,7 +91,7 @@ def metric_names(cfg: Recipe, L: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/layerskip/tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "layerskip/tiny-code.yaml", argv, __doc__)
 
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code, frozen=cfg.layerskip.lora)
@@ -117,9 +114,9 @@ def main(argv: list[str] | None = None) -> Loop:
     loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
                 evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
     loop.run()
-    best = loop.run_dir / "best"
-    if loop.accelerator.is_main_process and (best / "best.json").is_file() and prompts:
-        record_exit_layer(best, {E: json.loads((best / "best.json").read_text())[f"tau_exit{E}"]
+    best, record = loop.run_dir / BEST, best_record(loop.run_dir)
+    if loop.accelerator.is_main_process and record and prompts:
+        record_exit_layer(best, {E: record[f"tau_exit{E}"]
                                  for E in cfg.eval.exit_layers}, target_fields({"target": target.path,
                                                                                 "target_as_given": target.given}))
     return loop
@@ -130,8 +127,7 @@ def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float], origin: di
     (`assistant_early_exit`, which transformers' generate uses for self-speculation). `origin`: the target it was
     trained from, as every drafter.json records it (`target_fields`)."""
     exit_layer = max(tau_by_exit, key=tau_by_exit.get)
-    (model_dir / "drafter.json").write_text(json.dumps(
-        {"method": "layerskip", "exit_layer": exit_layer, "tau_by_exit": tau_by_exit, **(origin or {})}, indent=2))
+    write_drafter_meta(model_dir, "layerskip", exit_layer=exit_layer, tau_by_exit=tau_by_exit, **(origin or {}))
     gen = GenerationConfig.from_pretrained(model_dir)
     gen.assistant_early_exit = exit_layer
     gen.save_pretrained(model_dir)

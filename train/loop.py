@@ -69,6 +69,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from draftsmith.data.core import (
+    DiskFull,
+    check_free,
+    checkpoint_dir,
+    checkpoints,
+    collate,
+    is_disk_full,
+    one_line,
+)
 from draftsmith.train import guard
 from draftsmith.train.config import ConfigError, LoopConfig
 
@@ -136,20 +145,6 @@ def lr_factor(cfg: LoopConfig, step: int, seconds: float = 0.0) -> float:
     return 0.5 * (1 + math.cos(math.pi * decay)) if cfg.schedule == "cosine" else 1.0 - decay
 
 
-def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack equal-length rows of lists into tensors; right-pad ragged ones (mask 0 on padding)."""
-    keys = rows[0].keys()
-    longest = max(len(r["input_ids"]) for r in rows)
-    out = {}
-    for k in keys:
-        pad = 0
-        out[k] = torch.tensor([list(r[k]) + [pad] * (longest - len(r[k])) for r in rows])
-    if "attention_mask" not in out and any(len(r["input_ids"]) < longest for r in rows):
-        out["attention_mask"] = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"]))
-                                              for r in rows])
-    return out
-
-
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -182,12 +177,6 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters the optimizer owns, by name (frozen parts are never checkpointed)."""
     return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint directories of a run, oldest first (a half-written one ends in .tmp and is ignored)."""
-    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
 def newest_verified(run_dir: Path, warn: Callable[[str], None] = print) -> Path | None:
@@ -373,11 +362,11 @@ class Loop:
         """Write checkpoint-<step> atomically (every rank its DeepSpeed shards, rank 0 the rest), prune old
         ones, and refresh best/."""
         acc = self.accelerator
-        final = self.run_dir / f"checkpoint-{self.state.step}"
+        final = checkpoint_dir(self.run_dir, self.state.step)
         tmp = final.with_name(final.name + ".tmp")
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-            guard.check_free(self.run_dir, self._checkpoint_bytes(), f"{final.name}",
+            check_free(self.run_dir, self._checkpoint_bytes(), f"{final.name}",
                              f"free space there or move the run (loop.output_dir); {self._last_good()} is intact")
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
@@ -392,10 +381,10 @@ class Loop:
                 if acc.is_main_process:
                     self._write(tmp, metrics, optimizer)
         except (OSError, RuntimeError) as e:
-            if not guard.is_disk_full(e):
+            if not is_disk_full(e):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-            raise guard.DiskFull(f"the disk filled up while writing {final.name} ({guard.one_line(e)}); nothing of "
+            raise DiskFull(f"the disk filled up while writing {final.name} ({one_line(e)}); nothing of "
                                  f"it was kept, {self._last_good()} is intact; free space and run again") from e
         acc.wait_for_everyone()
         if acc.is_main_process:

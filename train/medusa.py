@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
-from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.medusa import (
     Medusa,
@@ -31,11 +31,10 @@ from draftsmith.models.medusa import (
     verifier_model,
 )
 from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _data_default() -> DataConfig:
@@ -43,23 +42,17 @@ def _data_default() -> DataConfig:
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    """Held-out data scored at every checkpoint (the reference held-out split unless heldout_path is set)."""
+class EvalConfig(C.EvalConfig):
+    """The shared evaluation, plus per-head accuracy and the Medusa tree."""
 
-    heldout_path: str = ""
-    heldout_split: str = "heldout"
-    heldout_examples: int = 64
     topk: int = 5  # per-head top-k accuracy on held-out rows
-    prompts: str = str(PROMPTS_PATH)  # held-out prompts decoded at every checkpoint (JSONL, messages or prompt)
-    num_prompts: int = 8
-    max_new_tokens: int = 64
     tree: Literal["chain", "tree"] = "tree"  # tree: greedy Medusa tree from measured per-head rank accuracy
     tree_budget: int = 31  # nodes of the tree
     tree_ranks: int = 8  # candidates per head considered by the tree builder
 
     def __post_init__(self):
-        for ok, key in [(self.num_prompts >= 0, "num_prompts"), (self.max_new_tokens >= 1, "max_new_tokens"),
-                        (self.tree_budget >= 1, "tree_budget"), (self.tree_ranks >= 1, "tree_ranks")]:
+        super().__post_init__()
+        for ok, key in [(self.tree_budget >= 1, "tree_budget"), (self.tree_ranks >= 1, "tree_ranks")]:
             if not ok:
                 raise C.ConfigError(f"eval.{key}: must be positive")
 
@@ -123,7 +116,7 @@ def metric_names(cfg: Recipe) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/medusa/medusa1-tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "medusa/medusa1-tiny-code.yaml", argv, __doc__)
     C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
 
     torch.manual_seed(cfg.loop.seed)

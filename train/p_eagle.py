@@ -10,12 +10,10 @@ P-EAGLE method of models/p_eagle.py and its `p_eagle` recipe section.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from draftsmith.models.p_eagle import PEagle, PEagleConfig
+from draftsmith.recipes import RECIPES
 from draftsmith.train import eagle
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass
@@ -31,7 +29,7 @@ def build(cfg: Recipe, target, draft_ids) -> PEagle:
 
 
 def main(argv: list[str] | None = None):
-    return eagle.main(argv, REPO / "recipes/p_eagle/tiny-code.yaml", __doc__, Recipe, build)
+    return eagle.main(argv, RECIPES / "p_eagle/tiny-code.yaml", __doc__, Recipe, build)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,16 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.chat import tokenize_example
+from draftsmith.data.core import best_record
 from draftsmith.data.packing import pack
 from draftsmith.data.reference import chat_examples, corpus_fingerprint, stdlib_files, write_heldout_prompts
 from draftsmith.data.tokenizer import END, train_bpe
 from draftsmith.models.lm import CausalLM, masked_ce
 from draftsmith.models.target import check_target
+from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass
@@ -150,7 +150,7 @@ def measure(model_dir: str | Path, seq_len: int = 512) -> dict:
 
 def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) -> dict:
     """Copy best/ to cfg.publish_to with a model card; write benchmarks/reference_target.json."""
-    best = json.loads((run_dir / "best" / "best.json").read_text())
+    best = best_record(run_dir)
     dest = Path(cfg.publish_to)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -165,7 +165,7 @@ def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) 
     figures = {**measure(tmp, cfg.data.seq_len), "tokens_seen": sum(st["tokens"] for st in stages),
                "best_step": best["step"], "train_tokens_per_epoch": train_tokens,
                "train_tokens_per_s": round(tokens_per_s, 1),
-               "path": str(dest.resolve().relative_to(REPO)) if dest.resolve().is_relative_to(REPO) else str(dest),
+               "path": cfg.publish_to,
                "command": " && ".join(st["command"] for st in stages)}
     (tmp / "README.md").write_text(MODEL_CARD.format(**figures, layers=cfg.model.num_layers,
                                                      hidden=cfg.model.hidden_size, vocab=cfg.model.vocab_size))
@@ -196,7 +196,7 @@ Reproduce: `{command}`
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    cfg = C.from_command_line(Recipe, REPO / "recipes/target/tiny-code.yaml", argv, __doc__)
+    cfg = C.from_command_line(Recipe, RECIPES / "target/tiny-code.yaml", argv, __doc__)
     C.check_best_metric(cfg.loop, ["heldout_loss", "heldout_raw_loss", "heldout_chat_loss", "eval_seconds"])
     if cfg.init_from:
         check_target(cfg.init_from, "init_from")

@@ -1,0 +1,137 @@
+"""The bottom layer: what every other part of draftsmith may import, importing nothing of ours.
+
+- errors a user can act on (`ConfigError`, `DiskFull`) and the free-space checks behind `DiskFull`;
+- the batch contract: rows of `input_ids`, `loss_mask`, `position_ids` (lists of equal length per row) and
+  `collate`, which stacks them into tensors;
+- the run-directory layout a training run writes and everything else reads:
+
+      RUN/checkpoint-N/        one per save (checkpoint-N.tmp while it is written; never read)
+      RUN/checkpoint-N/model/  the drafter of that step (a drafter directory)
+      RUN/best/                the drafter of the best checkpoint, with best.json = {"step", metrics...}
+
+- the drafter directory's `drafter.json`: {"schema_version", "method", method fields...}, written by
+  `write_drafter_meta` and read by `read_drafter_meta` only (a file without schema_version is version 0).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the config schema."""
+
+
+class DiskFull(OSError):
+    """Not enough free space for a checkpoint, export or output file."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message with newlines folded (KeyError's quotes dropped)."""
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    text = " ".join(str(text).split()) or type(e).__name__
+    return text if isinstance(e, (ValueError, OSError, RuntimeError, KeyError)) else f"{type(e).__name__}: {text}"
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+def check_free(where: Path, need: int, what: str, fix: str) -> None:
+    """Refuse to write `what` (about `need` bytes, plus 5% and 16 MB of slack) under `where` when the disk lacks it."""
+    where = Path(where)
+    probe = next((p for p in [where, *where.parents] if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    if free < need * 1.05 + (16 << 20):
+        raise DiskFull(f"not enough disk space for {what}: needs about {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free "
+                       f"under {probe}; {fix}")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """An error raised by a write that ran out of space (torch's zip writer reports it as 'unexpected pos')."""
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
+        "unexpected pos" in str(e) or "No space left" in str(e)
+
+
+# ---- the batch contract ----------------------------------------------------------------------------
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack equal-length rows of lists into tensors; right-pad ragged ones (mask 0 on padding)."""
+    keys = rows[0].keys()
+    longest = max(len(r["input_ids"]) for r in rows)
+    out = {}
+    for k in keys:
+        pad = 0
+        out[k] = torch.tensor([list(r[k]) + [pad] * (longest - len(r[k])) for r in rows])
+    if "attention_mask" not in out and any(len(r["input_ids"]) < longest for r in rows):
+        out["attention_mask"] = torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"]))
+                                              for r in rows])
+    return out
+
+
+# ---- the run directory -----------------------------------------------------------------------------
+
+BEST, BEST_FILE, DRAFTER_FILE = "best", "best.json", "drafter.json"
+SCHEMA_VERSION = 1  # of drafter.json
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"checkpoint-{step}"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories of a run, oldest first (a half-written checkpoint-N.tmp is ignored)."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def find_drafter(run: str | Path) -> Path:
+    """A drafter dir from a run: RUN itself if it is one, else RUN/best, else the latest checkpoint's model/."""
+    run = Path(run)
+    for d in (run, run / BEST):
+        if (d / DRAFTER_FILE).is_file():
+            return d
+    found = [c / "model" for c in checkpoints(run) if (c / "model" / DRAFTER_FILE).is_file()]
+    if not found:
+        raise FileNotFoundError(f"{run} holds no drafter (no drafter.json, best/ or checkpoint-*/model/); train first")
+    return found[-1]
+
+
+def has_drafter(run: str | Path) -> bool:
+    try:
+        find_drafter(run)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def best_record(run_or_best: str | Path) -> dict:
+    """best.json of a run's best/ (or of the best/ dir given): {"step", metrics...}; {} when there is none."""
+    d = Path(run_or_best)
+    path = d / BEST_FILE if (d / BEST_FILE).is_file() else d / BEST / BEST_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_drafter_meta(drafter_dir: str | Path, method: str, **fields) -> None:
+    """drafter.json of a drafter directory: the method that reads it back, and its own fields."""
+    path = Path(drafter_dir) / DRAFTER_FILE
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "method": method, **fields}, indent=2) + "\n")
+
+
+def read_drafter_meta(drafter_dir: str | Path) -> dict:
+    """drafter.json as a dict with its schema_version (0 for files written before it was recorded)."""
+    path = Path(drafter_dir) / DRAFTER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{drafter_dir} has no {DRAFTER_FILE}; pass a run dir, its best/ or a checkpoint's "
+                                "model/")
+    meta = json.loads(path.read_text())
+    version = meta.setdefault("schema_version", 0)
+    if version > SCHEMA_VERSION or "method" not in meta:
+        raise ValueError(f"{path}: schema_version {version} with method {meta.get('method')!r} is not one this "
+                         f"draftsmith reads (up to {SCHEMA_VERSION}); upgrade draftsmith")
+    return meta

@@ -1,0 +1,88 @@
+"""The `draftsmith` command: one entry point for training, evaluation, export, benchmarks and data jobs.
+
+    draftsmith train METHOD [RECIPE] [key=value ...]    # in this process; RECIPE: a shipped name or a YAML file
+    draftsmith train medusa medusa2-tiny-code loop.max_steps=10 loop.output_dir=runs/m2
+    draftsmith evaluate --drafter RUN/best [...]        # tau, acceptance by position, speedup
+    draftsmith export RUN --format FORMAT --out DIR     # a serving engine's format
+    draftsmith bench [...]                              # the leaderboard
+    draftsmith cache --config RECIPE --out DIR          # EAGLE's offline hidden-state cache
+    draftsmith regenerate --target DIR --out FILE       # the target's own answers as training data
+    draftsmith gpu-check [--smoke]                      # training throughput of every recipe on one GPU
+    draftsmith COMMAND --help                           # a command's options
+
+METHOD is one of train/entries.py's TRAIN; with no RECIPE it trains on the method's default recipe (the embedded reference
+target). On many GPUs, launch the same entry script with accelerate: `accelerate launch train/METHOD.py`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from draftsmith.recipes import RECIPES
+from draftsmith.train import (
+    cache,
+    dflash,
+    distill,
+    eagle,
+    eagle3,
+    evaluate,
+    export,
+    layerskip,
+    medusa,
+    p_eagle,
+    regenerate,
+    target,
+)
+from draftsmith.train.guard import cli
+
+# method -> its entry script (main(argv), Recipe); its shipped recipes are recipes/METHOD/*.yaml
+TRAIN = {"medusa": medusa, "eagle": eagle, "eagle3": eagle3, "p_eagle": p_eagle, "dflash": dflash,
+         "distill": distill, "layerskip": layerskip, "target": target}
+COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.main, "cache": cache.main,
+                                 "regenerate": regenerate.main}
+
+
+def recipe_path(method: str, recipe: str) -> Path:
+    """A recipe by shipped name (`medusa2-tiny-code`) or as a YAML path."""
+    if recipe.endswith((".yaml", ".yml")):
+        return Path(recipe)
+    shipped = RECIPES / method / f"{recipe}.yaml"
+    if not shipped.is_file():
+        names = sorted(p.stem for p in (RECIPES / method).glob("*.yaml"))
+        raise SystemExit(f"draftsmith train {method}: no recipe {recipe!r}; shipped: {', '.join(names)}, "
+                         "or pass a YAML file")
+    return shipped
+
+
+def train(argv: list[str]):
+    """`draftsmith train METHOD [RECIPE] [key=value ...]` -> the entry script's main (its Loop)."""
+    if not argv or argv[0] not in TRAIN:
+        raise SystemExit(f"draftsmith train METHOD [RECIPE] [key=value ...]; METHOD: {', '.join(TRAIN)}")
+    method, rest = argv[0], argv[1:]
+    if rest and "=" not in rest[0] and not rest[0].startswith("-"):
+        rest = ["--config", str(recipe_path(method, rest[0])), *rest[1:]]
+    return cli(TRAIN[method].main, rest)
+
+
+def run(argv: list[str]):
+    """Run one command line; what the command returns (the Loop of a training run, an export's path, ...)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return None
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train(rest)
+    if command not in COMMANDS:
+        raise SystemExit(f"draftsmith: unknown command {command!r}; choose train or one of {', '.join(COMMANDS)}")
+    return cli(COMMANDS[command], rest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: exit status 0 unless the command fails."""
+    run(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()

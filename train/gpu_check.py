@@ -1,0 +1,185 @@
+"""Throughput check of every recipe on one GPU, into benchmarks/gpu.json.
+
+    draftsmith gpu-check                 # one GPU (sized for an H200, ~10 min): ~1B target, bf16, 200 steps each
+    draftsmith gpu-check --smoke         # CPU, tiny target, 6 steps each: checks the whole check end to end
+    bash scripts/gpu_check.sh [--smoke]  # the same from a checkout
+
+Builds a Llama target from a config (random weights: throughput does not depend on them) with the reference
+target's tokenizer, saves it with save_pretrained, then runs each recipe (Medusa-1, Medusa-2, LayerSkip, EAGLE-1,
+EAGLE-3, distillation) in-process through its entry script's main(). Per recipe it records training tokens/s
+(evaluations excluded), peak GPU memory, and the step time split between the frozen target's forward and the rest
+(drafter forward, backward, optimizer), timed by hooks on the target's decoder with a device synchronisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.models.target import REFERENCE_TARGET, Target
+from draftsmith.recipes import RECIPES
+from draftsmith.train.entries import TRAIN
+
+# ~1.03B parameters (TinyLlama's shape with the reference vocabulary of 8192), or a tiny one for --smoke
+GPU_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4)
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2)
+# name -> (entry script, shipped recipe, overrides beyond the common ones); bf16: trained under bf16 autocast,
+# frozen: the frozen target stored in bf16
+CHECKS = {
+    "medusa1": ("medusa", "medusa/medusa1-tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
+    "medusa2": ("medusa", "medusa/medusa2-tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
+    "layerskip": ("layerskip", "layerskip/tiny-code.yaml", ("bf16",),
+                  ["eval.heldout_examples=8", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]),
+    "eagle1": ("eagle", "eagle/tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
+    "eagle3": ("eagle3", "eagle3/tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
+    "distill": ("distill", "distill/tiny-code.yaml", ("bf16", "frozen"), []),
+}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class TargetTimer:
+    """While active: tokens trained on, and seconds spent in the frozen target's decoder forward, during training
+    steps (the method in train mode; checkpoint evaluations run it in eval mode and are excluded). The method is
+    the module called with a batch dict; its frozen target is its `target` (a Target), if it has one."""
+
+    def __init__(self):
+        self.seconds, self.tokens, self.method, self.frozen_target, self._t = 0.0, 0, None, False, 0.0
+
+    def __enter__(self) -> TargetTimer:
+        self.handle = register_module_forward_pre_hook(self.find)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def find(self, module: nn.Module, args) -> None:
+        if self.method is None and args and isinstance(args[0], dict) and "input_ids" in args[0]:
+            self.method = module
+            module.register_forward_pre_hook(self.count)
+            self.count(module, args)
+            target = getattr(module, "target", None)
+            if isinstance(target, Target):
+                self.frozen_target = True
+                target.model.get_decoder().register_forward_pre_hook(self.start)
+                target.model.get_decoder().register_forward_hook(self.stop)
+
+    def count(self, module, args) -> None:
+        if module.training:
+            self.tokens += args[0]["input_ids"].numel()
+
+    def start(self, module, args) -> None:
+        sync()
+        self._t = time.perf_counter()
+
+    def stop(self, module, args, output) -> None:
+        sync()
+        if self.method.training:
+            self.seconds += time.perf_counter() - self._t
+
+
+def build_target(out: Path, smoke: bool) -> dict:
+    """A random Llama of the check's shape with the reference tokenizer, saved to `out`; its shape and size."""
+    shape = SMOKE_SHAPE if smoke else GPU_SHAPE
+    ref = LlamaConfig.from_pretrained(REFERENCE_TARGET)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=ref.vocab_size, tie_word_embeddings=False,
+                                         max_position_embeddings=2048, bos_token_id=ref.bos_token_id,
+                                         eos_token_id=ref.eos_token_id, pad_token_id=ref.pad_token_id, **shape))
+    params = sum(p.numel() for p in model.parameters())
+    model.to(torch.float32 if smoke else torch.bfloat16).save_pretrained(out)
+    for f in REFERENCE_TARGET.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return {"params": params, **shape, "vocab_size": ref.vocab_size, "weights": "random (from config)"}
+
+
+def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
+    """Train one recipe in-process under the timer; its throughput record."""
+    method, recipe, precision, extra = CHECKS[name]
+    precise = [] if smoke else [o for key, o in (("bf16", "loop.mixed_precision=bf16"),
+                                                 ("frozen", "target.dtype=bfloat16")) if key in precision]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    with TargetTimer() as timer:
+        loop = TRAIN[method].main(["--config", str(RECIPES / recipe), f"loop.output_dir={work / name}",
+                                   *common, *precise, *extra])
+    wall = time.perf_counter() - t
+    rows = [json.loads(r) for r in (work / name / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    seconds = loop.state.train_seconds
+    out = {"steps": loop.state.step, "train_seconds": round(seconds, 2), "tokens_per_s": round(timer.tokens / seconds, 1),
+           "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"], "wall_seconds": round(wall, 1),
+           "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
+           else None}
+    if timer.frozen_target:
+        out.update(target_forward_seconds=round(timer.seconds, 2), rest_seconds=round(seconds - timer.seconds, 2),
+                   target_forward_share=round(timer.seconds / seconds, 3))
+    else:
+        out["note"] = "trains the target itself: no frozen target forward to separate"
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if evals:
+        out["eval_seconds"] = evals[-1].get("eval/eval_seconds")
+    print(f"{name}: {json.dumps(out)}", flush=True)
+    del loop
+    gc.collect()  # the next recipe's peak memory is its own
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny target, 6 steps per recipe")
+    parser.add_argument("--steps", type=int, default=200, help="steps per recipe on the GPU")
+    parser.add_argument("--recipes", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    parser.add_argument("--work", type=Path, default=None, help="default: runs/gpu-check[-smoke]")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/gpu.json, runs/gpu-check-smoke/gpu.json with --smoke")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device; run with --smoke for the CPU check")
+    work = args.work or Path("runs/gpu-check-smoke" if args.smoke else "runs/gpu-check")
+    out = args.out or Path("runs/gpu-check-smoke/gpu.json" if args.smoke else "benchmarks/gpu.json")
+    shutil.rmtree(work, ignore_errors=True)
+    target = build_target(work / "target", args.smoke)
+    steps, batch, length = (6, 2, 128) if args.smoke else (args.steps, 8, 512)
+    common = [f"target.path={work / 'target'}", f"loop.max_steps={steps}", f"loop.save_every={steps}",
+              f"loop.batch_size={batch}", f"loop.log_every={max(1, steps // 10)}", "loop.keep_last=1",
+              f"data.max_length={length}", f"data.limit={steps * batch * 2}", "eval.num_prompts=2",
+              f"eval.max_new_tokens={8 if args.smoke else 32}"]
+    results = {name: run(name, work, common, args.smoke) for name in args.recipes}
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+        f"CPU ({platform.processor() or 'unknown'}, {torch.get_num_threads()} threads)"
+    report = {"mode": "smoke" if args.smoke else "gpu", "device": device, "torch": torch.__version__, "target": target,
+              "run": {"steps": steps, "batch_size": batch, "max_length": length,
+                      "precision": "fp32" if args.smoke else "bf16 autocast; frozen targets stored in bf16",
+                      "timing": "target_forward_seconds: frozen target decoder forward, synchronised; rest: drafter, "
+                                "backward, optimizer; evaluation excluded"},
+              "recipes": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Rewrite every assistant turn of a chat dataset with the target itself (self-distillation).
+
+    draftsmith regenerate --target DIR --data PATH --out OUT.jsonl [--temperature T]
+        [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S]
+
+A drafter learns to predict the target, so it should train on the target's own answers: the
+Medusa and EAGLE authors regenerate their training data this way. For every conversation, each
+assistant turn is generated from the conversation so far (earlier turns already regenerated),
+rendered with the target's chat template and its generation prompt; a conversation that ends
+with a user turn gets one more, generated assistant turn, so a file of prompts works too.
+
+Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled).
+The output is JSONL of `{"id": ..., "messages": [...]}` (plus the input's other fields), written
+and flushed per batch; rerunning with the same --out skips the ids already there, so an
+interrupted run resumes. `id` is the input's `id` field, or the row number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.data.chat import to_messages
+from draftsmith.data.core import DiskFull, check_free, is_disk_full
+from draftsmith.data.dataset import DataConfig, load_raw
+from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import cli
+
+log = logging.getLogger("draftsmith.regenerate")
+
+
+def read_done(out: Path) -> set[str]:
+    """Ids already written to `out`; a torn last line (from a killed run) is cut off the file."""
+    if not out.is_file():
+        return set()
+    done, good = set(), 0
+    with open(out, "rb") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not line.endswith(b"\n"):
+                break
+            done.add(str(row["id"]))
+            good += len(line)
+    if good < out.stat().st_size:
+        log.warning("%s: dropping a torn last line after %d complete rows", out, len(done))
+        with open(out, "r+b") as fh:
+            fh.truncate(good)
+    return done
+
+
+def conversations(data: str, split: str, limit: int) -> list[dict[str, Any]]:
+    """Input rows as `{"id", "messages", ...other fields}`."""
+    raw = load_raw(DataConfig(path=data, split=split, limit=limit))
+    rows = []
+    for i, example in enumerate(raw):
+        messages = to_messages(example)
+        if messages is None:
+            raise ValueError(f"{data} row {i} is plain text; regeneration needs chat data (messages or conversations)")
+        extra = {k: v for k, v in example.items() if k not in ("id", "messages", "conversations")}
+        rows.append({"id": i if example.get("id") is None else example["id"], **extra, "messages": messages})
+    return rows
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[dict[str, str]]], temperature: float,
+             max_new_tokens: int) -> list[str]:
+    """One assistant reply per conversation prefix, in one batch (the tokenizer must pad on the left)."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        else {"do_sample": False}
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                         **sampling)  # [b, s + new]
+    new = out[:, enc["input_ids"].shape[1]:]  # [b, new]
+    return tokenizer.batch_decode(new, skip_special_tokens=True)
+
+
+def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature: float,
+                     max_new_tokens: int) -> list[dict[str, Any]]:
+    """Replace every assistant turn of every conversation in `batch`, turn by turn across the batch."""
+    convs = [[dict(m) for m in row["messages"]] for row in batch]
+    for conv in convs:
+        if conv and conv[-1]["role"] != "assistant":
+            conv.append({"role": "assistant", "content": ""})
+    turns = [[i for i, m in enumerate(conv) if m["role"] == "assistant"] for conv in convs]
+    for k in range(max(map(len, turns), default=0)):
+        todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
+        replies = generate(model, tokenizer, [convs[c][:i] for c, i in todo], temperature, max_new_tokens)
+        for (c, i), reply in zip(todo, replies, strict=True):
+            convs[c][i]["content"] = reply
+    return [{**row, "messages": conv} for row, conv in zip(batch, convs, strict=True)]
+
+
+def output_bytes(rows: list[dict[str, Any]], max_new_tokens: int, bytes_per_token: int = 16) -> int:
+    """An upper estimate of the JSONL the rows become: each row as read, plus max_new_tokens per assistant reply."""
+    replies = [sum(m["role"] == "assistant" for m in r["messages"][:-1]) + 1 for r in rows]
+    return sum(len(json.dumps(r, ensure_ascii=False).encode()) + n * max_new_tokens * bytes_per_token
+               for r, n in zip(rows, replies, strict=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="HF model directory of the target (with its tokenizer) or a named target")
+    parser.add_argument("--data", required=True, help="jsonl/json/parquet/arrow file, saved dataset or hub name")
+    parser.add_argument("--out", required=True, help="JSONL to write (appended to when resuming)")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--limit", type=int, default=0, help="first K conversations only; 0: all")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.target = resolve_target(args.target)
+    if args.temperature < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
+        parser.error("--temperature must be >= 0, --batch-size and --max-new-tokens >= 1")
+    if not (Path(args.target) / "config.json").is_file():
+        parser.error(f"--target {args.target} is not a model directory (no config.json)")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(args.seed)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        args.target, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    rows = [r for r in conversations(args.data, args.split, args.limit) if str(r["id"]) not in done]
+    log.info("regenerate: %d conversations to do, %d already in %s", len(rows), len(done), out)
+    check_free(out.parent, output_bytes(rows, args.max_new_tokens), f"{out} ({len(rows)} conversations)",
+               "free space or write --out elsewhere; rows already written are kept and skipped when rerun")
+    t0 = time.perf_counter()
+    with open(out, "a") as fh:
+        for b in range(0, len(rows), args.batch_size):
+            try:
+                for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], args.temperature,
+                                            args.max_new_tokens):
+                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                fh.flush()
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                raise DiskFull(f"the disk filled up writing {out} after {b} of {len(rows)} conversations; free "
+                               "space and rerun the same command (the complete rows are kept)") from e
+            log.info("regenerate: %d/%d conversations, %.1fs", min(b + args.batch_size, len(rows)), len(rows),
+                     time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    cli(main)

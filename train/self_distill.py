@@ -1,0 +1,139 @@
+"""Self-distilled chat data for a real target: build diverse prompts, let the target answer them, commit the result.
+
+    python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
+    python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
+
+Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
+rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
+turn. The target answers each one through train/regenerate.py's batched generation (held-out prompts
+first), appending to `runs/self_distill/NAME/answers.jsonl`, so an interrupted run resumes where it
+stopped (a fresh checkout resumes from the data already finalized into data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
+settings, counts, the target's provenance, time spent, the command) from the answers written so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftsmith.data.prompts import build_prompts
+from draftsmith.models.zoo import resolve_target
+from draftsmith.train.regenerate import read_done, regenerate_batch
+
+log = logging.getLogger("draftsmith.self_distill")
+
+
+def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
+    """answers.jsonl -> out/{train,heldout}.jsonl.gz + settings.json; returns the settings written."""
+    rows = [json.loads(line) for line in open(work / "answers.jsonl")]
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split in ("train", "heldout"):
+        part = [r for r in rows if r["split"] == split]
+        counts[split] = len(part)
+        with gzip.open(out / f"{split}.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as fh:
+            for r in part:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    # Decoding prompts for tau: each held-out conversation up to its last user turn (earlier answers kept).
+    with open(out / "heldout_prompts.jsonl", "w") as fh:
+        for r in rows:
+            if r["split"] == "heldout":
+                fh.write(json.dumps({"id": r["id"], "kind": r["kind"], "messages": r["messages"][:-1]},
+                                    ensure_ascii=False) + "\n")
+    prompts = [json.loads(line) for line in open(work / "prompts.jsonl")]
+    timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").is_file() else {}
+    settings = {**settings, "answered": counts, "prompts": {
+        "train": sum(p["split"] == "train" for p in prompts), "heldout": sum(p["split"] == "heldout" for p in prompts)},
+        "regeneration_seconds": round(timing.get("seconds", 0.0)),
+        "target_provenance": json.loads((target_dir / "provenance.json").read_text())
+        if (target_dir / "provenance.json").is_file() else None}
+    (out / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
+    return settings
+
+
+def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
+    """Start a fresh work directory from data already finalized into `out` (a later session resumes there)."""
+    parts = [out / f"{split}.jsonl.gz" for split in ("heldout", "train")]
+    if not all(p.is_file() for p in parts):
+        return
+    with open(answers, "w") as fh:
+        for p in parts:
+            with gzip.open(p, "rt", encoding="utf-8") as src:
+                fh.writelines(src)
+    settings = json.loads((out / "settings.json").read_text())
+    timing.write_text(json.dumps({"seconds": settings.get("regeneration_seconds", 0.0)}))
+    log.info("self_distill: resuming from the %s answers committed in %s", sum(settings["answered"].values()), out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="a named target (models/zoo.py) or an HF model directory")
+    parser.add_argument("--num-prompts", type=int, default=3300)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work", default="", help="default runs/self_distill/<target name>")
+    parser.add_argument("--out", default="", help="default data/real/<target name>")
+    parser.add_argument("--finalize", action="store_true", help="write the compressed data from what is done")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    name = Path(args.target).name
+    work = Path(args.work or Path("runs") / "self_distill" / name)
+    out = Path(args.out or Path("data") / "real" / name)
+    target_dir = Path(resolve_target(args.target))
+    settings = {"target": args.target, "num_prompts": args.num_prompts, "prompt_seed": args.seed,
+                "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
+                             "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+                "batch_size": args.batch_size,
+                "command": "python scripts/self_distill.py " + shlex.join(a for a in sys.argv[1:] if a != "--finalize")}
+    if args.finalize:
+        print(json.dumps(finalize(work, out, target_dir, settings), indent=1))
+        return
+
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_file = work / "prompts.jsonl"
+    if not prompts_file.is_file():
+        rows = build_prompts(args.num_prompts, args.seed)
+        prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    rows = [json.loads(line) for line in open(prompts_file)]
+    rows.sort(key=lambda r: r["split"] != "heldout")  # held-out first: evaluation needs them before training
+    answers = work / "answers.jsonl"
+    if not answers.is_file():
+        seed_from_committed(out, answers, work / "timing.json")
+    done = read_done(answers)
+    todo = [r for r in rows if r["id"] not in done]
+    log.info("self_distill: %d of %d prompts to answer (%s)", len(todo), len(rows), answers)
+
+    torch.manual_seed(args.seed + len(done))
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    timing_file = work / "timing.json"
+    spent = json.loads(timing_file.read_text())["seconds"] if timing_file.is_file() else 0.0
+    with open(answers, "a") as fh:
+        for b in range(0, len(todo), args.batch_size):
+            t0 = time.perf_counter()
+            for row in regenerate_batch(model, tokenizer, todo[b: b + args.batch_size], args.temperature,
+                                        args.max_new_tokens):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            fh.flush()
+            spent += time.perf_counter() - t0
+            timing_file.write_text(json.dumps({"seconds": spent}))
+            log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + b + len(todo[b: b + args.batch_size]),
+                     len(rows), spent)
+
+
+if __name__ == "__main__":
+    main()

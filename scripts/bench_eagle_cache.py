@@ -1,8 +1,10 @@
 """EAGLE-3 offline vs online: cache disk per token, time to write the cache, training throughput.
 
-    python scripts/bench_eagle_cache.py [--limit 800] [--epochs 1] [--work runs/bench-eagle-cache]
+    python scripts/bench_eagle_cache.py [--recipe recipes/eagle3/tiny-code.yaml] [--limit 800] [--epochs 1]
+        [--work runs/bench-eagle-cache] [--out benchmarks/eagle_cache.json]
 
-On the reference target with recipes/eagle3/tiny-code.yaml (packed rows of 256 tokens, batch 8): writes
+With an EAGLE-3 recipe (default: the reference target's, packed rows of 256 tokens, batch 8; a real
+target's, e.g. recipes/eagle3/smollm2-135m.yaml, measures a 30-layer target): writes
 the bf16 cache with scripts/cache_hidden_states.py, then trains the same number of steps (whole epochs)
 online and offline from the same seed, and reports tokens/s and seconds per epoch two ways: wall time
 (the loop's train_seconds: data loading and cache reads included, evaluation excluded) and CPU time per
@@ -43,7 +45,8 @@ def train(overrides: list[str], out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit", type=int, default=800, help="reference chat examples (data.limit)")
+    parser.add_argument("--recipe", default="recipes/eagle3/tiny-code.yaml")
+    parser.add_argument("--limit", type=int, default=800, help="training examples (data.limit)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--work", default=str(REPO / "runs/bench-eagle-cache"), help="cache and runs (deleted first)")
     parser.add_argument("--out", default=str(REPO / "benchmarks/eagle_cache.json"))
@@ -53,17 +56,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = [f"data.limit={args.limit}"]
     t, child_cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    recipe = REPO / args.recipe
     subprocess.run([sys.executable, str(REPO / "scripts/cache_hidden_states.py"), "--config",
-                    str(REPO / "recipes/eagle3/tiny-code.yaml"), *data, "--out", str(work / "cache")], check=True)
+                    str(recipe), *data, "--out", str(work / "cache")], check=True)
     write_seconds, usage = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
     write_cpu = usage.ru_utime + usage.ru_stime - child_cpu.ru_utime - child_cpu.ru_stime
     manifest = json.loads((work / "cache/manifest.json").read_text())
     disk = sum(p.stat().st_size for p in (work / "cache").iterdir())
     rows, tokens = manifest["rows"], manifest["tokens"]
-    batch = 8  # the recipe's loop.batch_size
+    batch = yaml.safe_load(recipe.read_text())["loop"]["batch_size"]
     per_epoch = rows // batch
     steps = args.epochs * per_epoch
-    common = [*data, "loop.best_metric=", "eval.num_prompts=0", "eval.heldout_examples=8"]
+    common = [f"--config={recipe}", *data, "loop.best_metric=", "eval.num_prompts=0", "eval.heldout_examples=8"]
     offline = [f"offline.path={work / 'cache'}"]
     runs = {}
     for mode, extra in [("online", []), ("offline", offline)]:
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     on, off = runs["online"], runs["offline"]
     result = {
         "command": " ".join(["python", "scripts/bench_eagle_cache.py", *(sys.argv[1:] if argv is None else argv)]),
-        "recipe": "recipes/eagle3/tiny-code.yaml", "target": manifest["target"],
+        "recipe": args.recipe, "target": manifest["target"],
         "eagle": yaml.safe_load((work / "online/config.yaml").read_text())["eagle"],
         "host": f"CPU, {torch.get_num_threads()} torch thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
                 f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end (shared with other jobs: "

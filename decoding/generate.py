@@ -23,18 +23,33 @@ layer back to the committed prefix as usual.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
-from draftsmith.decoding.tree import position_ids, tree_attention_mask
+from draftsmith.decoding.tree import layout, tree_attention_mask
 from draftsmith.decoding.verify import Sampling, verify
 
 # Architectures whose causal-LM head is exactly lm_head (+ Gemma's final logit soft-capping), read from
 # their transformers source; for these the decoder applies the head lazily. Others run their full forward.
 PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text"}
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward -> its torch.compile'd version
+
+
+def compiled(forward):
+    """`torch.compile(forward, dynamic=True)`, built once per module: the verify step without Python overhead.
+
+    Dynamic shapes cover the changing number of nodes and cache length; chains (no mask) and trees (4-D mask)
+    compile one graph each. The first calls pay the compilation (tens of seconds on a CPU).
+    """
+    if forward not in _COMPILED:
+        _COMPILED[forward] = torch.compile(forward, dynamic=True)
+    return _COMPILED[forward]
 
 
 class LazyLogits:
@@ -88,11 +103,17 @@ def _eos_set(target, eos_token_id) -> set[int]:
 @torch.no_grad()
 def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
                          sampling: Sampling | None = None, rule: str = "auto", eos_token_id=None,
-                         stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+                         stats: DecodeStats | None = None, compile: bool = False) -> tuple[torch.Tensor, DecodeStats]:
     """Generate up to max_new_tokens after input_ids [1, L]; returns (tokens [1, L + new], stats).
 
     Stops after the first EOS exactly where plain decoding would. `eos_token_id` (int or list)
-    defaults to the target's generation config.
+    defaults to the target's generation config. `compile` verifies through `compiled(forward)`.
+
+    Per step the host sees the tree's tokens and parents (one copy each), the accepted path and the
+    committed tokens; tree layouts come from the shape cache (`tree.layout`), a chain is verified
+    with the model's own causal mask, and the cache rollback of a chain is a crop. On a CPU the
+    target's logits are computed lazily, row by row along the accepted path (`LazyLogits`); on an
+    accelerator the head runs over all rows at once and greedy acceptance reads one argmax vector.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
@@ -100,7 +121,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     stats = stats or DecodeStats()
     device, dtype = input_ids.device, target.dtype
     eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
-    lazy = target.config.model_type in PLAIN_HEAD
+    lazy = target.config.model_type in PLAIN_HEAD and device.type == "cpu"
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()
@@ -111,6 +132,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     proposer.reset()
     hook = getattr(proposer, "target_forward", None)  # optional, see the module docstring
     forward = (hook(cache) if hook else None) or (target.base_model if lazy else target)
+    forward = compiled(forward) if compile else forward
     proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
     new = 0
     while new < max_new_tokens:
@@ -119,10 +141,10 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
         tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1).to(device)
         t1 = _clock(device)
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
-        chain = bool((tree.parents == torch.arange(-1, len(tree) - 1, device=device)).all())
+        shape = layout(tree.parents)
         out = forward(  # a chain needs no tree mask: the model's causal one
-            input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
-            attention_mask=None if chain else attention_masks(target.config, tree.parents, cache_len, dtype),
+            input_ids=tokens, position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
+            attention_mask=None if shape.chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))
         logits = LazyLogits(target, out.last_hidden_state[0]) if lazy else out.logits[0]  # [n+1, V] rows
         path, bonus = verify(tree, logits, sampling, rule)
@@ -137,7 +159,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
         t2 = _clock(device)
         ids = torch.cat([ids, torch.tensor(committed, dtype=ids.dtype, device=device)])
         new += len(committed)
-        offered = len(path) + int(bool((tree.parents == (path[-1] if path else -1)).any()))
+        offered = len(path) + int(bool(shape.kids[path[-1] + 1 if path else 0]))  # + 1 if the path went on
         stats.record(offered=offered, drafted=len(tree),
                      accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
         if committed[-1] in eos:
@@ -159,8 +181,9 @@ def _hidden(out, layers: list[int]) -> torch.Tensor | None:
 
 
 def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
-                   eos_token_id=None, stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+                   eos_token_id=None, stats: DecodeStats | None = None, compile: bool = False
+                   ) -> tuple[torch.Tensor, DecodeStats]:
     """The target's own decoding (one token per forward) through the same loop: the speedup baseline."""
     return speculative_generate(target, NoDraft(), input_ids, max_new_tokens, sampling, "auto", eos_token_id,
-                                stats)
+                                stats, compile)
 

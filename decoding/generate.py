@@ -103,11 +103,16 @@ def _eos_set(target, eos_token_id) -> set[int]:
 @torch.no_grad()
 def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
                          sampling: Sampling | None = None, rule: str = "auto", eos_token_id=None,
-                         stats: DecodeStats | None = None, compile: bool = False) -> tuple[torch.Tensor, DecodeStats]:
+                         stats: DecodeStats | None = None, compile: bool = False, lockstep: bool = False
+                         ) -> tuple[torch.Tensor, DecodeStats]:
     """Generate up to max_new_tokens after input_ids [1, L]; returns (tokens [1, L + new], stats).
 
     Stops after the first EOS exactly where plain decoding would. `eos_token_id` (int or list)
     defaults to the target's generation config. `compile` verifies through `compiled(forward)`.
+    `lockstep` (every rank of a process group decodes its own prompt with a target sharded over the ranks,
+    whose every forward is a collective): a rank whose sequence is finished keeps stepping, output and
+    statistics frozen, until every rank's is, so that all ranks run the same sequence of forwards (as
+    Hugging Face's `synced_gpus`); it needs a proposer whose forwards per step do not depend on the text.
 
     Per step the host sees the tree's tokens and parents (one copy each), the accepted path and the
     committed tokens; tree layouts come from the shape cache (`tree.layout`), a chain is verified
@@ -134,11 +139,16 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     forward = (hook(cache) if hook else None) or (target.base_model if lazy else target)
     forward = compiled(forward) if compile else forward
     proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
-    new = 0
-    while new < max_new_tokens:
+    new, stopped, done, end = 0, False, None, start  # done: the output once this sequence is finished
+    while True:
+        if done is None and (new >= max_new_tokens or stopped):
+            done, end = ids, _clock(device)
+        if (done is not None) if not lockstep else _all_ranks(done is not None, device):
+            break
+        budget = max_new_tokens - new if done is None else max_new_tokens  # a lockstep step after the end: any
         cache_len = cache.get_seq_length()  # before drafting, which may extend the early layers
         t0 = _clock(device)
-        tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1).to(device)
+        tree = proposer.propose(ids, sampling).truncate(budget - 1).to(device)
         t1 = _clock(device)
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
         shape = layout(tree.parents)
@@ -155,22 +165,33 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
             if tok in eos:
                 committed = committed[: j + 1]
                 break
-        committed = committed[: max_new_tokens - new]
+        committed = committed[:budget]
         t2 = _clock(device)
         ids = torch.cat([ids, torch.tensor(committed, dtype=ids.dtype, device=device)])
-        new += len(committed)
-        offered = len(path) + int(bool(shape.kids[path[-1] + 1 if path else 0]))  # + 1 if the path went on
-        stats.record(offered=offered, drafted=len(tree),
-                     accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
-        if committed[-1] in eos:
-            break
+        if done is None:
+            new, stopped = new + len(committed), committed[-1] in eos
+            offered = len(path) + int(bool(shape.kids[path[-1] + 1 if path else 0]))  # + 1 if the path went on
+            stats.record(offered=offered, drafted=len(tree),
+                         accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
+        if stopped and not lockstep:
+            continue  # EOS: no drafting state is needed any more
         t3 = _clock(device)
         hidden = _hidden(out, layers)
         proposer.accept(ids, Verified(tree, path, logits, None if hidden is None else hidden[:, kept]))
-        stats.drafter_s += _clock(device) - t3
-    stats.wall_s += _clock(device) - start
+        if done is None:
+            stats.drafter_s += _clock(device) - t3
+    stats.wall_s += end - start
     stats.sequences += 1
-    return ids[None], stats
+    return done[None], stats
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the default process group (a collective)."""
+    from torch import distributed as dist
+
+    t = torch.tensor([float(not flag)], device=device)  # [1]
+    dist.all_reduce(t)
+    return t.item() == 0
 
 
 def _hidden(out, layers: list[int]) -> torch.Tensor | None:
@@ -181,9 +202,9 @@ def _hidden(out, layers: list[int]) -> torch.Tensor | None:
 
 
 def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
-                   eos_token_id=None, stats: DecodeStats | None = None, compile: bool = False
-                   ) -> tuple[torch.Tensor, DecodeStats]:
+                   eos_token_id=None, stats: DecodeStats | None = None, compile: bool = False,
+                   lockstep: bool = False) -> tuple[torch.Tensor, DecodeStats]:
     """The target's own decoding (one token per forward) through the same loop: the speedup baseline."""
     return speculative_generate(target, NoDraft(), input_ids, max_new_tokens, sampling, "auto", eos_token_id,
-                                stats, compile)
+                                stats, compile, lockstep)
 

@@ -10,16 +10,17 @@ Each step picks the depth d that maximises the expected tokens per unit of step 
     cost(d)      = v(n_d + 1) + c * d                         (in 1-token target forwards)
 
 where a_k is the running conditional acceptance at draft position k (the `acceptance_by_position` of
-decoding/metrics.py), v the target's verify-cost curve, n_d the nodes up to depth d and c the drafter's
-measured time per drafted token. It is cost.py's speedup model with per-position acceptance instead of
+decoding/metrics.py), v the target's verify-cost curve, n_d the nodes up to depth d (d for a chain) and c
+the drafter's measured time per depth level (per token for a chain). It is cost.py's speedup model with per-position acceptance instead of
 one alpha, since acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84).
 The estimates decay (`decay` per step) towards a prior that extends the previous position's rate, so a
 position that a short gamma stopped observing drifts back and gets tried again.
 
-Chains with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma, PromptLookup.num_pred_tokens)
-are drafted at the chosen length, so drafting time is saved too. Any other draft, trees included (EAGLE-2,
-Medusa, suffix trees), is drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting
-time is spent anyway, so only the verification is priced. gamma depends only on past steps, never on the
+Drafters with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma or tree depth,
+PromptLookup.num_pred_tokens) draft at the chosen depth, so drafting time is saved too; n_d is then the
+running mean of the drafts' nodes up to depth d. Any other draft (Medusa's static tree, suffix trees) is
+drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time is spent anyway, so
+only its verification is priced, with its own n_d. gamma depends only on past steps, never on the
 current draft's acceptance, so greedy output stays the target's and exact sampling stays exact.
 """
 
@@ -43,7 +44,7 @@ class AdaptiveGamma(Proposer):
         rel: the verify-cost curve relative to a 1-token forward, {k: v(k)} (`cost.relative`).
         plain_step_s: seconds of a 1-token target forward (`curve[1]`), which prices the drafter's time;
             0 ignores drafting cost (n-gram and suffix drafters cost next to nothing).
-        knob: the proposer's draft-length attribute, set before drafting; None cuts the draft instead.
+        knob: the proposer's draft-depth attribute, set before drafting; None cuts the draft instead.
         max_gamma: the longest draft (default: the knob's value at construction, else 16).
         decay: weight of the past per step (0.9: about the last 10 steps count).
         prior: pseudo-count of the prior at each position.
@@ -60,7 +61,9 @@ class AdaptiveGamma(Proposer):
         self.decay, self.prior = decay, prior
         self.passed = [0.0] * (self.max_gamma + 1)  # decayed counts per position k (index 0 unused)
         self.reached = [0.0] * (self.max_gamma + 1)
-        self.drafter_s, self.drafted = 0.0, 0.0  # decayed drafting time and drafted tokens
+        self.drafter_s, self.levels = 0.0, 0.0  # decayed drafting time and depth levels drafted
+        self.nodes = [0.0] * (self.max_gamma + 1)  # decayed sums of the drafts' nodes up to depth d
+        self.seen = [0.0] * (self.max_gamma + 1)  # decayed count of drafts that reached depth d
         self.gammas: list[int] = []  # the depth chosen at each step (for benchmarks)
 
     @property
@@ -96,19 +99,33 @@ class AdaptiveGamma(Proposer):
         return best
 
     def c(self) -> float:
-        """Drafting time per drafted token, in 1-token target forwards."""
-        return self.drafter_s / self.drafted / self.plain_step_s if self.drafted and self.plain_step_s else 0.0
+        """Drafting time per depth level, in 1-token target forwards."""
+        return self.drafter_s / self.levels / self.plain_step_s if self.levels and self.plain_step_s else 0.0
+
+    def expected_nodes(self) -> list[float]:
+        """n_1..n_max: the drafts' mean nodes up to depth d; unseen depths extend the last level's width."""
+        out, width = [], 1.0
+        for d in range(1, self.max_gamma + 1):
+            n = self.nodes[d] / self.seen[d] if self.seen[d] else (out[-1] if out else 0.0) + width
+            width = n - (out[-1] if out else 0.0)
+            out.append(n)
+        return out
 
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
         if self.knob:
-            setattr(self.proposer, self.knob, self.best_depth(list(range(1, self.max_gamma + 1)), self.c()))
+            setattr(self.proposer, self.knob, self.best_depth(self.expected_nodes(), self.c()))
         t0 = time.perf_counter()
         tree = self.proposer.propose(ids, sampling)
-        self.drafter_s, self.drafted = self.drafter_s * self.decay + time.perf_counter() - t0, \
-            self.drafted * self.decay + len(tree)
+        spent = time.perf_counter() - t0
+        depth = layout(tree.parents).depth[1:]  # [n]
+        nodes = torch.bincount(depth, minlength=self.max_gamma + 1)[1:].cumsum(0).tolist()  # up to depth d
+        height = layout(tree.parents).height
+        self.drafter_s, self.levels = self.drafter_s * self.decay + spent, self.levels * self.decay + height
+        for d in range(1, self.max_gamma + 1):
+            self.nodes[d], self.seen[d] = self.nodes[d] * self.decay, self.seen[d] * self.decay
+            if d <= height:
+                self.nodes[d], self.seen[d] = self.nodes[d] + nodes[d - 1], self.seen[d] + 1
         if len(tree) and not self.knob:
-            depth = layout(tree.parents).depth[1:]  # [n]
-            nodes = torch.bincount(depth, minlength=self.max_gamma + 1)[1:].cumsum(0).tolist()  # up to depth d
             tree = tree.truncate(self.best_depth(nodes, 0.0))
         self.gammas.append(layout(tree.parents).height)
         return tree

@@ -7,10 +7,11 @@ import pytest
 import torch
 import transformers as T
 from conftest import chi2_two_tokens
+from test_eagle import method
 
 from draftsmith.decoding import DraftModel, DraftTree, Lookahead, PromptLookup, Proposer, SuffixDecoding
 from draftsmith.decoding.adaptive import AdaptiveGamma
-from draftsmith.decoding.generate import speculative_generate
+from draftsmith.decoding.generate import plain_generate, speculative_generate
 
 V, NEW = 96, 32
 STEEP = {1: 1.0, 2: 1.2, 4: 1.8, 8: 3.5, 16: 7.0}  # a CPU-like verify-cost curve: long drafts must pay
@@ -41,6 +42,16 @@ def test_greedy_output_is_the_targets_for_chains_and_trees(arch):
         for _ in range(2):  # the second sequence starts from the first one's acceptance estimates
             out, _ = speculative_generate(target, proposer, x, NEW)
             assert torch.equal(out, ref), type(proposer.proposer).__name__
+
+
+@pytest.mark.parametrize("mode,knob", [("chain", "gamma"), ("tree", "depth"), ("tree", None)])
+def test_eagle_chain_and_eagle2_tree_keep_the_targets_greedy_tokens(mode, knob):
+    m = method(1)
+    x = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    proposer = AdaptiveGamma(m.proposer(mode=mode, gamma=4, top_k=3, depth=4, total_tokens=10), STEEP,
+                             plain_step_s=1e-3, knob=knob, decay=0.5)
+    out, _ = speculative_generate(m.target.model, proposer, x, 24, eos_token_id=[])
+    assert torch.equal(out, plain_generate(m.target.model, x, 24, eos_token_id=[])[0])
 
 
 @pytest.mark.parametrize("knob", ["gamma", None], ids=["knob", "cut"])

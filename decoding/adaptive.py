@@ -54,7 +54,9 @@ class AdaptiveGamma(Proposer):
                  knob: str | None = None, max_gamma: int | None = None, decay: float = 0.9, prior: float = 1.0):
         if knob is not None and not isinstance(getattr(proposer, knob, None), int):
             raise ValueError(f"adaptive gamma: {type(proposer).__name__} has no integer attribute {knob!r}")
-        self.proposer, self.rel, self.plain_step_s, self.knob = proposer, rel, plain_step_s, knob
+        ks = sorted(rel)  # a measured curve is noisy: a verification never costs less than a shorter one
+        self.rel = {k: max(rel[j] for j in ks[: i + 1]) for i, k in enumerate(ks)}
+        self.proposer, self.plain_step_s, self.knob = proposer, plain_step_s, knob
         self.max_gamma = max_gamma or (getattr(proposer, knob) if knob else 16)
         if self.max_gamma < 1 or not 0 <= decay < 1 or prior <= 0:
             raise ValueError("adaptive gamma: need max_gamma >= 1, 0 <= decay < 1, prior > 0")

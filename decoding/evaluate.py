@@ -152,9 +152,10 @@ def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_to
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
-    """Scalars for trackers: tau (first temperature), tau_t<T>, acceptance_pos<k>, speedup, eval cost."""
+    """Scalars for trackers: tau (first temperature), tau_t<T>, acceptance_pos<k>, speedup, eval cost
+    (`decode_seconds` too: the training loop overwrites `eval_seconds` with the whole checkpoint evaluation's)."""
     out = {"tau": results["tau"], "speedup": results["speedup"], "eval_prompts": results["settings"]["num_prompts"],
-           "eval_seconds": results["eval_seconds"]}
+           "eval_seconds": results["eval_seconds"], "decode_seconds": results["eval_seconds"]}
     for t, r in results["by_temperature"].items():
         out[f"tau_t{t}"] = r["tau"]
     for k, a in enumerate(results["acceptance_by_position"], 1):
@@ -166,7 +167,7 @@ def flat_metrics(results: dict) -> dict[str, float]:
 
 def decode_metric_names(temperatures: tuple[float, ...] = (0.0,), depth: int = 1) -> list[str]:
     """The names `flat_metrics` gives a checkpoint evaluation at these temperatures, drafting up to `depth` tokens."""
-    return ["tau", "speedup", "eval_prompts", "eval_seconds", *[f"tau_t{t:g}" for t in temperatures],
+    return ["tau", "speedup", "eval_prompts", "eval_seconds", "decode_seconds", *[f"tau_t{t:g}" for t in temperatures],
             *[f"acceptance_pos{k}" for k in range(1, depth + 1)]]
 
 

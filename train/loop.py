@@ -649,8 +649,8 @@ class Loop:
             now = time.perf_counter()
             self.eval_seconds += now - t
             metrics["eval_seconds"] = now - t
-            metrics["eval_share"] = self.eval_seconds / max(1e-9, now - self.started)
-            self.log({f"eval/{k}": v for k, v in metrics.items()})
+            self.log({**{f"eval/{k}": v for k, v in metrics.items()},
+                      "eval_share": self.eval_seconds / max(1e-9, now - self.started)})
         self.save(metrics, self._update_best(metrics))
         p = self.cfg.early_stop_patience
         return bool(p) and self.state.evals_since_best >= p

@@ -53,10 +53,12 @@ def compiled(forward):
 
 
 class LazyLogits:
-    """Target logits over [root, nodes], one row [V] computed on first access.
+    """Target logits over [root, nodes], rows [V] computed on first access, in blocks that double.
 
     A verification step only needs the rows its accept rule visits (accepted nodes + 1), and the LM
-    head over a large vocabulary is a sizeable share of a small target's forward.
+    head over a large vocabulary is a sizeable share of a small target's forward. Row by row, though,
+    every row reads the whole head from memory again: a miss at row i computes rows [i, 2i + 2) in one
+    matmul, so a path through rows 0..m reads the head about log2(m) times and computes at most 2m rows.
     """
 
     def __init__(self, target, hidden: torch.Tensor):
@@ -67,14 +69,18 @@ class LazyLogits:
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
+    def _logits(self, lo: int, hi: int) -> torch.Tensor:
+        logits = self.head(self.hidden[lo:hi])  # [hi-lo, V]
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
-            logits = self.head(self.hidden[i])  # [V]
-            self.rows[i] = logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+            hi = min(len(self), 2 * i + 2)
+            self.rows.update(zip(range(i, hi), self._logits(i, hi), strict=True))
         return self.rows[i]
 
     def full(self) -> torch.Tensor:
-        return torch.stack([self[i] for i in range(len(self))])  # [n+1, V]
+        return self._logits(0, len(self))  # [n+1, V]
 
 
 def _clock(device: torch.device) -> float:

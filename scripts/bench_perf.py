@@ -1,6 +1,6 @@
 """Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma (issue #19).
 
-    python scripts/bench_perf.py [--sections verify eval adaptive] [--medusa runs/medusa1-tiny-code/best]
+    python scripts/bench_perf.py [--sections verify eval adaptive profile] [--medusa runs/medusa1-tiny-code/best]
         [--eagle DIR] [--compile] [--out benchmarks/perf.json]
 
 verify: on the reference target, a prompt's greedy continuation drafted 4 tokens at a time (all
@@ -15,14 +15,19 @@ adaptive: the leaderboard's prompts (scripts/bench.py: 20 held-out x 128 tokens)
 plain decoding, each fixed gamma, and adaptive gamma (decoding/adaptive.py, at most the largest fixed
 gamma), for prompt lookup, the untrained 2-layer draft model, and with --eagle an EAGLE run's chain and
 EAGLE-2 tree (depth). Greedy; every output checked against plain decoding.
+profile: where the time of prompt lookup decoding goes, ours against Hugging Face's `prompt_lookup_num_tokens`
+(cProfile, 20 prompts x 128 tokens): the torch matmuls, attention, our decoder's own code (decoding/*.py) and
+Hugging Face's generation code, each as cumulative seconds.
 Timings on shared cores are noisy: the load average is recorded before and after each section.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import socket
 import sys
 import time
@@ -188,12 +193,35 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
     return out
 
 
+@torch.no_grad()
+def profile_section(target, tokenizer, num_prompts: int, new: int) -> dict:
+    prompts = render_prompts(tokenizer, load_prompts(limit=num_prompts))
+    runs = {"ours": lambda x: speculative_generate(target, PromptLookup(10, 2), x, new),
+            "hf": lambda x: target.generate(x, max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=10,
+                                            max_matching_ngram_size=2)}
+    out = {}
+    for name, decode in runs.items():
+        decode(prompts[0])  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        for x in prompts:
+            decode(x)
+        prof.disable()
+        st = pstats.Stats(prof).stats  # (file, line, function) -> (calls, primitive, own s, cumulative s, callers)
+        parts = {"total_s": lambda k: True, "linear_s": lambda k: "_nn.linear" in k[2],
+                 "attention_s": lambda k: "scaled_dot_product_attention" in k[2],
+                 "draftsmith_decoding_s": lambda k: "/decoding/" in k[0],
+                 "transformers_generation_s": lambda k: "transformers/generation" in k[0]}
+        out[name] = {part: sum(v[2] for k, v in st.items() if match(k)) for part, match in parts.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=str(REFERENCE_TARGET))
     parser.add_argument("--sections", nargs="+", default=["verify", "eval", "adaptive"],
-                        choices=["verify", "eval", "adaptive"])
+                        choices=["verify", "eval", "adaptive", "profile"])
     parser.add_argument("--medusa", default=str(REPO / "runs/medusa1-tiny-code/best"),
                         help="drafter of the eval section (the main job's best checkpoint); prompt lookup if absent")
     parser.add_argument("--eagle", help="an EAGLE run's best/ for the adaptive section")
@@ -220,8 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
             drafter = args.medusa if Path(args.medusa).is_dir() else "ngram"
             out = eval_section(args.target, drafter)
             torch.set_num_threads(args.threads)
-        else:
+        elif section == "adaptive":
             out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens)
+        else:
+            out = profile_section(target, tokenizer, args.num_prompts, args.max_new_tokens)
         out["load_average"] = {"start": load_start, "end": os.getloadavg()}
         out["seconds"] = time.perf_counter() - start
         result[section] = out

@@ -9,10 +9,12 @@ Each step picks the depth d that maximises the expected tokens per unit of step 
     E[tokens](d) = 1 + sum_{j=1..d} prod_{k=1..j} a_k        (bonus token included)
     cost(d)      = v(n_d + 1) + c * d                         (in 1-token target forwards)
 
-where a_k is the running conditional acceptance at draft position k (the `acceptance_by_position` of
-decoding/metrics.py), v the target's verify-cost curve, n_d the nodes up to depth d (d for a chain) and c
-the drafter's measured time per depth level (per token for a chain). It is cost.py's speedup model with per-position acceptance instead of
-one alpha, since acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84).
+where a_k is the running probability that the accepted path reaches depth k given that it reached k - 1,
+over drafts as deep as k (for a chain: the `acceptance_by_position` of decoding/metrics.py; in a tree a path
+that ends on a leaf counts as stopped, which the per-position acceptance leaves out), v the target's
+verify-cost curve, n_d the nodes up to depth d (d for a chain) and c the drafter's measured time per depth
+level (per token for a chain). It is cost.py's speedup model with per-position acceptance instead of one
+alpha, since acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84).
 The estimates decay (`decay` per step) towards a prior that extends the previous position's rate, so a
 position that a short gamma stopped observing drifts back and gets tried again.
 
@@ -134,9 +136,8 @@ class AdaptiveGamma(Proposer):
 
     def accept(self, ids: torch.Tensor, verified: Verified) -> None:
         if verified.tree is not None and len(verified.tree):
-            path = verified.path
-            offered = len(path) + int(bool(layout(verified.tree.parents).kids[path[-1] + 1 if path else 0]))
-            for k in range(1, self.max_gamma + 1):
-                self.passed[k] = self.passed[k] * self.decay + (k <= len(path))
-                self.reached[k] = self.reached[k] * self.decay + (k <= offered)
+            accepted, height = len(verified.path), layout(verified.tree.parents).height
+            for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, the draft has k)
+                self.passed[k] = self.passed[k] * self.decay + (k <= accepted)
+                self.reached[k] = self.reached[k] * self.decay + (k <= height and k - 1 <= accepted)
         self.proposer.accept(ids, verified)

@@ -42,10 +42,11 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward ->
 
 
 def compiled(forward):
-    """`torch.compile(forward, dynamic=True)`, built once per module: the verify step without Python overhead.
+    """`torch.compile(forward, dynamic=True)`, built once per module, for the verify step on accelerators.
 
-    Dynamic shapes cover the changing number of nodes and cache length; chains (no mask) and trees (4-D mask)
-    compile one graph each. The first calls pay the compilation (tens of seconds on a CPU).
+    Dynamic shapes cover the changing number of nodes and cache length. The first calls pay the compilation
+    (tens of seconds on a CPU). On a CPU it measured slower than eager in this loop (benchmarks/decode.json:
+    recompilations as shapes and masks change); on a GPU it is untested.
     """
     if forward not in _COMPILED:
         _COMPILED[forward] = torch.compile(forward, dynamic=True)
@@ -123,8 +124,8 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     Per step the host sees the tree's tokens and parents (one copy each), the accepted path and the
     committed tokens; tree layouts come from the shape cache (`tree.layout`), a chain is verified
     with the model's own causal mask, and the cache rollback of a chain is a crop. On a CPU the
-    target's logits are computed lazily, row by row along the accepted path (`LazyLogits`); on an
-    accelerator the head runs over all rows at once and greedy acceptance reads one argmax vector.
+    target's logits are computed lazily along the accepted path (`LazyLogits`); on an accelerator
+    the head runs over all rows at once and greedy acceptance reads one argmax vector.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")

@@ -31,18 +31,23 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
 def keep(cache: DynamicCache, start: int, kept: torch.Tensor | list[int]) -> None:
     """Keep cache positions [0, start) and then start + kept (ascending); drop everything after.
 
-    A contiguous `kept` = [0, 1, ..., k-1] is a crop; anything else is an index-select.
+    A contiguous `kept` = [0, 1, ..., k-1] (every chain) is a crop: a view, nothing copied. Otherwise
+    only the k kept entries move, into [start, start + k) in place, and the rest is cropped; the
+    prefix [0, start) is never copied.
     """
-    kept = torch.as_tensor(kept, dtype=torch.long)  # [k]
+    kept = kept.tolist() if isinstance(kept, torch.Tensor) else list(kept)
+    k = len(kept)
+    contiguous = kept == list(range(k))
+    idx = None
     for layer in _layers(cache):
         if not layer.is_initialized:
             continue
-        if torch.equal(kept, torch.arange(kept.numel())):
-            layer.crop(-(layer.get_seq_length() - start - kept.numel()))
-        else:
-            idx = torch.cat([torch.arange(start), start + kept]).to(layer.keys.device)  # [start+k]
-            layer.keys = layer.keys.index_select(-2, idx)  # [b, h, start+k, d]
-            layer.values = layer.values.index_select(-2, idx)
+        if not contiguous:
+            if idx is None:
+                idx = torch.tensor(kept, device=layer.keys.device) + start  # [k]
+            layer.keys[..., start:start + k, :] = layer.keys.index_select(-2, idx)  # [b, h, k, d]
+            layer.values[..., start:start + k, :] = layer.values.index_select(-2, idx)
+        layer.crop(start + k - layer.get_seq_length())  # minus the entries to drop
 
 
 def crop(cache: DynamicCache, length: int) -> None:

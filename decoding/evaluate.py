@@ -7,12 +7,23 @@ Speedup is wall-clock time per generated token of the target's own decoding (`pl
 same loop with no draft) over that of speculative decoding, on the same prompts in the same process.
 Greedy equality with `target.generate(do_sample=False)` is checked token by token at temperature 0;
 `greedy_matches_target` is None when it was not checked.
+
+Data-parallel ranks share the work: inside `sharded(Shard(rank, world, lockstep))` (the training loop
+enters it at every checkpoint) each rank decodes prompts[rank::world], prompt i always with seed + i,
+and the per-rank statistics are gathered and merged (counts add exactly), so tau, the acceptance and
+the greedy check equal a one-rank evaluation's. With `lockstep` (a target sharded by ZeRO-3 or FSDP2,
+whose forwards are collectives) the ranks also start each prompt together and step together to the
+end of the longest (`speculative_generate(lockstep=True)`); a rank without a prompt in the last round
+decodes prompt 0 and discards it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,14 +54,56 @@ def _seeded(temperature: float, seed: int, sampling: dict) -> Sampling:
     return Sampling(temperature, generator=torch.Generator().manual_seed(seed), **sampling)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of an evaluation: prompts[rank::world]; lockstep as in the module docstring."""
+
+    rank: int = 0
+    world: int = 1
+    lockstep: bool = False
+
+    def rounds(self, n: int) -> list[int | None]:
+        """Global indices of the prompts this rank decodes; None: a lockstep round with nothing left to decode."""
+        mine = list(range(self.rank, n, self.world))
+        return mine + [None] * ((math.ceil(n / self.world) - len(mine)) if self.lockstep else 0)
+
+    def gather(self, stats: DecodeStats, matches: bool) -> tuple[DecodeStats, bool]:
+        """Every rank's statistics merged in rank order, and whether every rank's greedy outputs matched."""
+        if self.world == 1:
+            return stats, matches
+        from torch import distributed as dist
+
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (stats, matches))
+        merged = DecodeStats()
+        for part, _ in parts:
+            merged.merge(part)
+        return merged, all(m for _, m in parts)
+
+
+_SHARD = Shard()
+
+
+@contextlib.contextmanager
+def sharded(shard: Shard):
+    """Evaluations inside the context decode this rank's share of the prompts and gather the statistics."""
+    global _SHARD
+    previous, _SHARD = _SHARD, shard
+    try:
+        yield
+    finally:
+        _SHARD = previous
+
+
 def baseline(target, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
              seed: int = 0, **sampling) -> DecodeStats:
-    """The target's own decoding of the prompts (tau 1), timed."""
-    stats = DecodeStats()
-    for i, x in enumerate(prompts):
-        plain_generate(target, x.to(target.device), max_new_tokens, _seeded(temperature, seed + i, sampling),
-                       stats=stats)
-    return stats
+    """The target's own decoding of the prompts (tau 1), timed; sharded like `evaluate`."""
+    stats, shard = DecodeStats(), _SHARD
+    for i in shard.rounds(len(prompts)):
+        plain_generate(target, prompts[i or 0].to(target.device), max_new_tokens,
+                       _seeded(temperature, seed + (i or 0), sampling), stats=stats if i is not None else None,
+                       lockstep=shard.lockstep)
+    return shard.gather(stats, True)[0]
 
 
 def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int = 128,
@@ -65,19 +118,23 @@ def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_to
     """
     start = time.perf_counter()
     target.eval()
+    shard = _SHARD
     baselines = {} if baselines is None else baselines
-    speculative_generate(target, proposer, prompts[0].to(target.device), 4)  # warm-up, not timed
+    speculative_generate(target, proposer, prompts[0].to(target.device), 4, lockstep=shard.lockstep)  # warm-up
     by_t = {}
     for temperature in temperatures:
         stats, matches = DecodeStats(), True
-        for i, x in enumerate(prompts):
-            x = x.to(target.device)
-            out, _ = speculative_generate(target, proposer, x, max_new_tokens, _seeded(temperature, seed + i, sampling),
-                                          rule, stats=stats)
+        for i in shard.rounds(len(prompts)):
+            x = prompts[i or 0].to(target.device)
+            out, _ = speculative_generate(target, proposer, x, max_new_tokens,
+                                          _seeded(temperature, seed + (i or 0), sampling), rule,
+                                          stats=stats if i is not None else None, lockstep=shard.lockstep)
             if check_greedy and temperature == 0:
                 with torch.no_grad():
-                    ref = target.generate(x, max_new_tokens=max_new_tokens, do_sample=False)
-                matches &= torch.equal(out, ref)
+                    ref = target.generate(x, max_new_tokens=max_new_tokens, do_sample=False,
+                                          synced_gpus=shard.lockstep)
+                matches &= i is None or torch.equal(out, ref)
+        stats, matches = shard.gather(stats, matches)
         if temperature not in baselines:
             baselines[temperature] = baseline(target, prompts, max_new_tokens, temperature, seed, **sampling)
         base = baselines[temperature]
@@ -90,13 +147,15 @@ def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_to
     first = by_t[f"{temperatures[0]:g}"]
     return {**first, "by_temperature": by_t, "eval_seconds": time.perf_counter() - start,
             "settings": {"max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "rule": rule,
-                         "lossy": rule == "typical", "num_prompts": len(prompts), "seed": seed, **sampling}}
+                         "lossy": rule == "typical", "num_prompts": len(prompts), "seed": seed,
+                         "ranks": shard.world, **sampling}}
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
-    """Scalars for trackers: tau (first temperature), tau_t<T>, acceptance_pos<k>, speedup, eval cost."""
+    """Scalars for trackers: tau (first temperature), tau_t<T>, acceptance_pos<k>, speedup, eval cost
+    (`decode_seconds` too: the training loop overwrites `eval_seconds` with the whole checkpoint evaluation's)."""
     out = {"tau": results["tau"], "speedup": results["speedup"], "eval_prompts": results["settings"]["num_prompts"],
-           "eval_seconds": results["eval_seconds"]}
+           "eval_seconds": results["eval_seconds"], "decode_seconds": results["eval_seconds"]}
     for t, r in results["by_temperature"].items():
         out[f"tau_t{t}"] = r["tau"]
     for k, a in enumerate(results["acceptance_by_position"], 1):
@@ -108,7 +167,7 @@ def flat_metrics(results: dict) -> dict[str, float]:
 
 def decode_metric_names(temperatures: tuple[float, ...] = (0.0,), depth: int = 1) -> list[str]:
     """The names `flat_metrics` gives a checkpoint evaluation at these temperatures, drafting up to `depth` tokens."""
-    return ["tau", "speedup", "eval_prompts", "eval_seconds", *[f"tau_t{t:g}" for t in temperatures],
+    return ["tau", "speedup", "eval_prompts", "eval_seconds", "decode_seconds", *[f"tau_t{t:g}" for t in temperatures],
             *[f"acceptance_pos{k}" for k in range(1, depth + 1)]]
 
 

@@ -23,13 +23,14 @@ layer back to the committed prefix as usual.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
-from draftsmith.decoding.tree import position_ids, tree_attention_mask
+from draftsmith.decoding.tree import layout, tree_attention_mask
 from draftsmith.decoding.verify import Sampling, verify
 
 # Architectures whose causal-LM head is exactly lm_head (+ Gemma's final logit soft-capping), read from
@@ -37,11 +38,28 @@ from draftsmith.decoding.verify import Sampling, verify
 PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text"}
 
 
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward -> its torch.compile'd version
+
+
+def compiled(forward):
+    """`torch.compile(forward, dynamic=True)`, built once per module, for the verify step on accelerators.
+
+    Dynamic shapes cover the changing number of nodes and cache length. The first calls pay the compilation
+    (tens of seconds on a CPU). On a CPU it measured slower than eager in this loop (benchmarks/decode.json:
+    recompilations as shapes and masks change); on a GPU it is untested.
+    """
+    if forward not in _COMPILED:
+        _COMPILED[forward] = torch.compile(forward, dynamic=True)
+    return _COMPILED[forward]
+
+
 class LazyLogits:
-    """Target logits over [root, nodes], one row [V] computed on first access.
+    """Target logits over [root, nodes], rows [V] computed on first access, in blocks that double.
 
     A verification step only needs the rows its accept rule visits (accepted nodes + 1), and the LM
-    head over a large vocabulary is a sizeable share of a small target's forward.
+    head over a large vocabulary is a sizeable share of a small target's forward. Row by row, though,
+    every row reads the whole head from memory again: a miss at row i computes rows [i, 2i + 2) in one
+    matmul, so a path through rows 0..m reads the head about log2(m) times and computes at most 2m rows.
     """
 
     def __init__(self, target, hidden: torch.Tensor):
@@ -52,14 +70,18 @@ class LazyLogits:
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
+    def _logits(self, lo: int, hi: int) -> torch.Tensor:
+        logits = self.head(self.hidden[lo:hi])  # [hi-lo, V]
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
-            logits = self.head(self.hidden[i])  # [V]
-            self.rows[i] = logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+            hi = min(len(self), 2 * i + 2)
+            self.rows.update(zip(range(i, hi), self._logits(i, hi), strict=True))
         return self.rows[i]
 
     def full(self) -> torch.Tensor:
-        return torch.stack([self[i] for i in range(len(self))])  # [n+1, V]
+        return self._logits(0, len(self))  # [n+1, V]
 
 
 def _clock(device: torch.device) -> float:
@@ -88,11 +110,22 @@ def _eos_set(target, eos_token_id) -> set[int]:
 @torch.no_grad()
 def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
                          sampling: Sampling | None = None, rule: str = "auto", eos_token_id=None,
-                         stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+                         stats: DecodeStats | None = None, compile: bool = False, lockstep: bool = False
+                         ) -> tuple[torch.Tensor, DecodeStats]:
     """Generate up to max_new_tokens after input_ids [1, L]; returns (tokens [1, L + new], stats).
 
     Stops after the first EOS exactly where plain decoding would. `eos_token_id` (int or list)
-    defaults to the target's generation config.
+    defaults to the target's generation config. `compile` verifies through `compiled(forward)`.
+    `lockstep` (every rank of a process group decodes its own prompt with a target sharded over the ranks,
+    whose every forward is a collective): a rank whose sequence is finished keeps stepping, output and
+    statistics frozen, until every rank's is, so that all ranks run the same sequence of forwards (as
+    Hugging Face's `synced_gpus`); it needs a proposer whose forwards per step do not depend on the text.
+
+    Per step the host sees the tree's tokens and parents (one copy each), the accepted path and the
+    committed tokens; tree layouts come from the shape cache (`tree.layout`), a chain is verified
+    with the model's own causal mask, and the cache rollback of a chain is a crop. On a CPU the
+    target's logits are computed lazily along the accepted path (`LazyLogits`); on an accelerator
+    the head runs over all rows at once and greedy acceptance reads one argmax vector.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
@@ -100,7 +133,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     stats = stats or DecodeStats()
     device, dtype = input_ids.device, target.dtype
     eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
-    lazy = target.config.model_type in PLAIN_HEAD
+    lazy = target.config.model_type in PLAIN_HEAD and device.type == "cpu"
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()
@@ -111,18 +144,24 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     proposer.reset()
     hook = getattr(proposer, "target_forward", None)  # optional, see the module docstring
     forward = (hook(cache) if hook else None) or (target.base_model if lazy else target)
+    forward = compiled(forward) if compile else forward
     proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
-    new = 0
-    while new < max_new_tokens:
+    new, stopped, done, end = 0, False, None, start  # done: the output once this sequence is finished
+    while True:
+        if done is None and (new >= max_new_tokens or stopped):
+            done, end = ids, _clock(device)
+        if (done is not None) if not lockstep else _all_ranks(done is not None, device):
+            break
+        budget = max_new_tokens - new if done is None else max_new_tokens  # a lockstep step after the end: any
         cache_len = cache.get_seq_length()  # before drafting, which may extend the early layers
         t0 = _clock(device)
-        tree = proposer.propose(ids, sampling).truncate(max_new_tokens - new - 1).to(device)
+        tree = proposer.propose(ids, sampling).truncate(budget - 1).to(device)
         t1 = _clock(device)
         tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
-        chain = bool((tree.parents == torch.arange(-1, len(tree) - 1, device=device)).all())
+        shape = layout(tree.parents)
         out = forward(  # a chain needs no tree mask: the model's causal one
-            input_ids=tokens, position_ids=position_ids(tree.parents, cache_len),
-            attention_mask=None if chain else attention_masks(target.config, tree.parents, cache_len, dtype),
+            input_ids=tokens, position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
+            attention_mask=None if shape.chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))
         logits = LazyLogits(target, out.last_hidden_state[0]) if lazy else out.logits[0]  # [n+1, V] rows
         path, bonus = verify(tree, logits, sampling, rule)
@@ -133,22 +172,33 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
             if tok in eos:
                 committed = committed[: j + 1]
                 break
-        committed = committed[: max_new_tokens - new]
+        committed = committed[:budget]
         t2 = _clock(device)
         ids = torch.cat([ids, torch.tensor(committed, dtype=ids.dtype, device=device)])
-        new += len(committed)
-        offered = len(path) + int(bool((tree.parents == (path[-1] if path else -1)).any()))
-        stats.record(offered=offered, drafted=len(tree),
-                     accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
-        if committed[-1] in eos:
-            break
+        if done is None:
+            new, stopped = new + len(committed), committed[-1] in eos
+            offered = len(path) + int(bool(shape.kids[path[-1] + 1 if path else 0]))  # + 1 if the path went on
+            stats.record(offered=offered, drafted=len(tree),
+                         accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
+        if stopped and not lockstep:
+            continue  # EOS: no drafting state is needed any more
         t3 = _clock(device)
         hidden = _hidden(out, layers)
         proposer.accept(ids, Verified(tree, path, logits, None if hidden is None else hidden[:, kept]))
-        stats.drafter_s += _clock(device) - t3
-    stats.wall_s += _clock(device) - start
+        if done is None:
+            stats.drafter_s += _clock(device) - t3
+    stats.wall_s += end - start
     stats.sequences += 1
-    return ids[None], stats
+    return done[None], stats
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank of the default process group (a collective)."""
+    from torch import distributed as dist
+
+    t = torch.tensor([float(not flag)], device=device)  # [1]
+    dist.all_reduce(t)
+    return t.item() == 0
 
 
 def _hidden(out, layers: list[int]) -> torch.Tensor | None:
@@ -159,8 +209,9 @@ def _hidden(out, layers: list[int]) -> torch.Tensor | None:
 
 
 def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
-                   eos_token_id=None, stats: DecodeStats | None = None) -> tuple[torch.Tensor, DecodeStats]:
+                   eos_token_id=None, stats: DecodeStats | None = None, compile: bool = False,
+                   lockstep: bool = False) -> tuple[torch.Tensor, DecodeStats]:
     """The target's own decoding (one token per forward) through the same loop: the speedup baseline."""
     return speculative_generate(target, NoDraft(), input_ids, max_new_tokens, sampling, "auto", eos_token_id,
-                                stats)
+                                stats, compile, lockstep)
 

@@ -8,10 +8,14 @@ mass on the drafted token). A chain is a tree whose node i has parent i - 1.
 
 The verifying forward feeds [root, node_0, ..., node_{n-1}] at positions `cache_len + depth`
 (root depth 0) with a mask in which every row sees the committed prefix, its ancestors and itself.
+Depths, the ancestor mask and the child lists depend only on the tree's shape (`parents`): `layout`
+builds them once per shape, with tensor ops rather than a loop over nodes, and caches them, so a
+static tree (Medusa) or a recurring shape (every chain of a given length) costs a dictionary look-up.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -76,13 +80,13 @@ class DraftTree:
 
     def children(self, node: int) -> list[int]:
         """Children of `node` (-1 = root), in drafting order (the order siblings are tested in)."""
-        return (self.parents == node).nonzero().flatten().tolist()
+        return list(layout(self.parents).kids[node + 1])
 
     def truncate(self, max_depth: int) -> DraftTree:
         """Drop nodes deeper than max_depth (a prefix-closed cut, since parents come first)."""
-        keep = (self.depth <= max_depth).nonzero().flatten()  # [m]
-        if keep.numel() == len(self):
+        if layout(self.parents).height <= max_depth:
             return self
+        keep = (self.depth <= max_depth).nonzero().flatten()  # [m]
         new_index = torch.full((len(self) + 1,), -1, dtype=torch.long, device=self.tokens.device)
         new_index[keep] = torch.arange(keep.numel(), device=keep.device)
         parents = self.parents[keep]
@@ -90,23 +94,49 @@ class DraftTree:
         return DraftTree(self.tokens[keep], parents, None if self.q is None else self.q[keep])
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What verifying one tree shape needs, built once per shape (`layout`) and reused every step."""
+
+    depth: torch.Tensor  # [n+1] long: depths of [root, nodes], root 0
+    visible: torch.Tensor  # [n+1, n+1] bool: row i sees column j iff j is i or an ancestor of i
+    kids: tuple[tuple[int, ...], ...]  # kids[i + 1] = children of node i, kids[0] = of the root, drafting order
+    chain: bool  # node i is the child of node i - 1: the model's own causal mask verifies it
+    height: int  # the deepest node's depth (0 for an empty tree)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(parents: tuple[int, ...], device: str) -> Layout:
+    n = len(parents)
+    p = torch.tensor(parents, dtype=torch.long) + 1  # [n] parent rows over [root, nodes]
+    step = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    step[torch.arange(1, n + 1), p] = True  # row i -> its parent
+    visible = torch.eye(n + 1, dtype=torch.bool) | step
+    for _ in range(max(1, n).bit_length()):  # transitive closure by squaring: ancestors up to 2^r levels up
+        visible = (visible.float() @ visible.float()).bool()  # [n+1, n+1]
+    kids: list[list[int]] = [[] for _ in range(n + 1)]
+    for i, par in enumerate(parents):
+        kids[par + 1].append(i)
+    chain = parents == tuple(range(-1, n - 1))
+    depth = visible.sum(1) - 1  # [n+1]: ancestors of each row, itself excluded
+    return Layout(depth.to(device), visible.to(device), tuple(map(tuple, kids)), chain, int(depth.max()))
+
+
+def layout(parents: torch.Tensor | list[int]) -> Layout:
+    """The cached layout of a tree shape, keyed by its parent list (one small host copy of `parents`)."""
+    device = str(parents.device) if isinstance(parents, torch.Tensor) else "cpu"
+    key = tuple(parents.tolist() if isinstance(parents, torch.Tensor) else parents)
+    return _layout(key, device)
+
+
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """[n+1] depths of [root, nodes]: 0 for the root, parent's depth + 1 for a node."""
-    d = [0]
-    for p in parents.tolist():
-        d.append(d[p + 1] + 1)
-    return torch.tensor(d, device=parents.device)
+    return layout(parents).depth
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[n+1, n+1] bool over [root, nodes]: row i may attend column j iff j is i or an ancestor of i."""
-    n = parents.numel()
-    m = torch.eye(n + 1, dtype=torch.bool)
-    m[:, 0] = True  # everyone sees the root
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            m[i + 1] |= m[p + 1]
-    return m.to(parents.device)
+    return layout(parents).visible
 
 
 def tree_attention_mask(parents: torch.Tensor, cache_len: int, dtype: torch.dtype,
@@ -116,15 +146,15 @@ def tree_attention_mask(parents: torch.Tensor, cache_len: int, dtype: torch.dtyp
     Rows are [root, nodes]; columns are the cached prefix then [root, nodes]. With `sliding_window`
     a query at position i only sees keys at positions j > i - sliding_window, as Hugging Face does.
     """
-    n = parents.numel()
-    depth = depths(parents.cpu())  # [n+1]
-    allowed = torch.cat([torch.ones(n + 1, cache_len, dtype=torch.bool), ancestor_mask(parents.cpu())], 1)
+    lay = layout(parents)
+    n1, device = lay.depth.numel(), lay.depth.device
+    mask = torch.zeros(n1, cache_len + n1, dtype=dtype, device=device)  # the prefix is visible to every row
+    mask[:, cache_len:].masked_fill_(~lay.visible, torch.finfo(dtype).min)
     if sliding_window is not None:
-        q_pos = cache_len + depth  # [n+1]
-        k_pos = torch.cat([torch.arange(cache_len), cache_len + depth])  # [cache_len+n+1]
-        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(parents.device)  # [1, 1, n+1, cache_len+n+1]
+        q_pos = cache_len + lay.depth  # [n+1]
+        k_pos = torch.cat([torch.arange(cache_len, device=device), q_pos])  # [cache_len+n+1]
+        mask.masked_fill_(k_pos[None, :] <= q_pos[:, None] - sliding_window, torch.finfo(dtype).min)
+    return mask[None, None]  # [1, 1, n+1, cache_len+n+1]
 
 
 def position_ids(parents: torch.Tensor, cache_len: int) -> torch.Tensor:

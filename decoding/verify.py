@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.decoding.tree import DraftTree
+from draftsmith.decoding.tree import DraftTree, layout
 
 RULES = ("auto", "greedy", "exact", "typical")
 
@@ -71,20 +71,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _children(tree: DraftTree) -> list[list[int]]:
-    """kids[i + 1] = children of node i, kids[0] = children of the root, in drafting order."""
-    kids: list[list[int]] = [[] for _ in range(len(tree) + 1)]
-    for i, p in enumerate(tree.parents.tolist()):
-        kids[p + 1].append(i)
-    return kids
-
-
 def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
-    """Follow children equal to the target's argmax. logits: rows [V] indexable 0..n."""
-    tokens, kids = tree.tokens.tolist(), _children(tree)
+    """Follow children equal to the target's argmax. logits: a [n+1, V] tensor (argmax of every row in one
+    op and one host copy) or lazy rows [V] indexable 0..n (only the rows on the path are computed)."""
+    tokens, kids = tree.tokens.tolist(), layout(tree.parents).kids
+    argmax = logits.argmax(-1).tolist() if isinstance(logits, torch.Tensor) else None  # [n+1]
     path, node = [], -1
     while True:
-        best = int(logits[node + 1].argmax())
+        best = argmax[node + 1] if argmax is not None else int(logits[node + 1].argmax())
         match = [c for c in kids[node + 1] if tokens[c] == best]
         if not match:
             return path, best
@@ -94,7 +88,7 @@ def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:
 
 def accept_exact(tree: DraftTree, p, generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Multi-round rejection sampling over siblings (SpecInfer); p: rows [V] of warped target probabilities."""
-    tokens, kids = tree.tokens.tolist(), _children(tree)
+    tokens, kids = tree.tokens.tolist(), layout(tree.parents).kids
     path, node = [], -1
     while True:
         residual = p[node + 1].float()  # [V]

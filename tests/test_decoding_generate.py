@@ -199,3 +199,18 @@ def test_draft_model_cache_rollback_matches_a_fresh_forward():
         out, _ = speculative_generate(target, checked, prompt(seed), NEW)
         assert torch.equal(out, reference(target, prompt(seed), min_new_tokens=NEW))
     assert checked.proposals >= 2 * NEW // 4
+
+
+@pytest.mark.slow
+def test_compiled_verify_step_gives_the_same_tokens():
+    """`compile=True` (torch.compile of the verify forward, dynamic shapes): same greedy tokens for chains and
+    trees, and the same tokens as eager decoding at T=1 with the same seed."""
+    target = build("llama")
+    x = prompt(0)
+    ref = reference(target, x, min_new_tokens=NEW)
+    for proposer in (PromptLookup(), Lookahead()):
+        out, _ = speculative_generate(target, proposer, x, NEW, compile=True)
+        assert torch.equal(out, ref), type(proposer).__name__
+    sampled = [speculative_generate(target, PromptLookup(), x, NEW, Sampling(1.0, generator=torch.Generator()
+                                    .manual_seed(3)), compile=c)[0] for c in (False, True)]
+    assert torch.equal(*sampled)

@@ -8,7 +8,7 @@ import transformers as T
 
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import attention_masks
-from draftsmith.decoding.tree import DraftTree, ancestor_mask, position_ids, tree_attention_mask
+from draftsmith.decoding.tree import DraftTree, ancestor_mask, layout, position_ids, tree_attention_mask
 
 COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
@@ -48,6 +48,25 @@ def test_ancestor_mask_and_positions():
     assert torch.equal(mask[0, 0, :, 3:] == 0, expected)
     windowed = tree_attention_mask(parents, 3, torch.float32, sliding_window=2)[0, 0] == 0  # [6, 9]
     assert windowed[3].tolist() == [False] * 4 + [False, True, True, False, False]  # node 2 at pos 6 sees 5, 6
+
+
+def test_layout_equals_a_walk_over_the_nodes_and_is_built_once_per_shape():
+    """The vectorised layout (closure by squaring) against the definition, on random trees up to depth 40."""
+    g = torch.Generator().manual_seed(0)
+    for n in [0, 1, 2, 7, 40, 63]:
+        parents = [int(torch.randint(-1, i, (), generator=g)) if i else -1 for i in range(n)]
+        if n == 40:
+            parents = list(range(-1, n - 1))  # a deep chain: 40 levels of ancestors
+        lay = layout(torch.tensor(parents, dtype=torch.long))
+        depth, seen = [0], [{0}]
+        for i, p in enumerate(parents):
+            depth.append(depth[p + 1] + 1)
+            seen.append(seen[p + 1] | {i + 1})
+        assert lay.depth.tolist() == depth and lay.height == max(depth)
+        assert lay.visible.tolist() == [[j in row for j in range(n + 1)] for row in seen]
+        assert lay.kids == tuple(tuple(i for i, p in enumerate(parents) if p == r - 1) for r in range(n + 1))
+        assert lay.chain == (parents == list(range(-1, n - 1)))
+        assert layout(torch.tensor(parents, dtype=torch.long)) is lay  # cached by shape
 
 
 def test_truncate_keeps_a_prefix_closed_subtree():

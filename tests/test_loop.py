@@ -108,6 +108,7 @@ def test_best_checkpoint_and_early_stop(tmp_path):
     assert (tmp_path / "best" / "model.safetensors").is_file()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/tau"] for r in rows if "eval/tau" in r] == [1.0, 3.0, 2.0, 2.5]
+    assert all(0 < r["eval_share"] < 1 for r in rows if "eval/tau" in r)  # evaluations' share of the run's time
 
 
 class Diverging(CausalLM):

@@ -10,11 +10,12 @@ The loop owns everything else: accelerate, gradient accumulation, mixed precisio
 schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
 Distributed runs (launcher configs in recipes/accelerate/): under DDP and DeepSpeed ZeRO-2 every
-rank holds the whole target; rank 0 evaluates at checkpoints while the others wait, and rank 0
-alone writes metadata, trackers and exports. Under ZeRO-3 and FSDP2 the target is sharded, so
-every rank runs the same (greedy, deterministic) evaluation in lockstep, each layer gathering its
-parameters in its forward (FSDP2's root parameters, such as embeddings and drafter heads, stay
-gathered for the evaluation). DeepSpeed's optimizer state is sharded: it is saved and restored
+rank holds the whole target; at checkpoints every rank decodes its share of the held-out prompts
+and the statistics are gathered (decoding/evaluate.py, `sharded`), so tau is the one-rank tau; rank 0
+alone writes metadata, trackers and exports. Under ZeRO-3 and FSDP2 the target is sharded, so the
+ranks also decode in lockstep (same sequence of forwards, each layer gathering its parameters in its
+forward; FSDP2's root parameters, such as embeddings and drafter heads, stay gathered for the
+evaluation), still each on its own share of the prompts. DeepSpeed's optimizer state is sharded: it is saved and restored
 with accelerate's `save_state`/`load_state` (frozen parameters excluded) and only under the world
 size that wrote it. Otherwise the whole optimizer state is written by parameter name
 (torch.distributed.checkpoint's full state dict), so single-process, DDP and FSDP2 checkpoints
@@ -78,6 +79,7 @@ from draftsmith.data.core import (
     is_disk_full,
     one_line,
 )
+from draftsmith.decoding.evaluate import Shard, sharded
 from draftsmith.train import guard
 from draftsmith.train.config import ConfigError, LoopConfig
 
@@ -518,6 +520,7 @@ class Loop:
         the lock on the run directory is released however it ends."""
         self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, dynamic_ncols=True, leave=False,
                         disable=not self.accelerator.is_main_process)
+        self.started, self.eval_seconds = time.perf_counter(), 0.0  # for eval_share
         try:
             with guard.StopSignals() as signals:
                 return self._run(signals)
@@ -619,19 +622,24 @@ class Loop:
         return float(self.accelerator.reduce(seconds, "max"))
 
     def checkpoint(self) -> bool:
-        """Evaluate (rank 0 while the others wait; every rank in lockstep when the target is sharded), save, and say
-        whether early stopping is due. The time spent here is not training time."""
+        """Evaluate (every rank its share of the prompts, statistics gathered; in lockstep when the target is
+        sharded), save, and say whether early stopping is due. The time spent here is not training time;
+        `eval_share` is the evaluations' share of the wall time since `run` started."""
         metrics = {}
         if self.evaluate is not None:
             t = time.perf_counter()
-            if self.sharded or self.accelerator.is_main_process:
-                self.method.eval()
-                with torch.no_grad(), self._evaluation_context():
-                    metrics = self.evaluate(self.unwrapped, self.state.step)
-                self.method.train()
-            metrics = broadcast_object_list([metrics])[0]
-            metrics["eval_seconds"] = time.perf_counter() - t
-            self.log({f"eval/{k}": v for k, v in metrics.items()})
+            acc = self.accelerator
+            self.method.eval()
+            with torch.no_grad(), self._evaluation_context(), \
+                    sharded(Shard(acc.process_index, acc.num_processes, self.sharded)):
+                metrics = self.evaluate(self.unwrapped, self.state.step)
+            self.method.train()
+            metrics = broadcast_object_list([metrics])[0]  # rank 0's figures (per-rank timings differ)
+            now = time.perf_counter()
+            self.eval_seconds += now - t
+            metrics["eval_seconds"] = now - t
+            self.log({**{f"eval/{k}": v for k, v in metrics.items()},
+                      "eval_share": self.eval_seconds / max(1e-9, now - self.started)})
         self.save(metrics, self._update_best(metrics))
         p = self.cfg.early_stop_patience
         return bool(p) and self.state.evals_since_best >= p

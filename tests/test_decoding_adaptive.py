@@ -1,0 +1,89 @@
+"""Adaptive gamma: the same greedy tokens as the target for chains (knob) and trees (cut), the target's
+distribution at T=1 (chi-square), and a depth that follows the drafter's acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from conftest import chi2_two_tokens
+from test_eagle import method
+
+from draftsmith.decoding import DraftModel, DraftTree, Lookahead, PromptLookup, Proposer, SuffixDecoding
+from draftsmith.decoding.adaptive import AdaptiveGamma
+from draftsmith.decoding.generate import plain_generate, speculative_generate
+
+V, NEW = 96, 32
+STEEP = {1: 1.0, 2: 1.2, 4: 1.8, 8: 3.5, 16: 7.0}  # a CPU-like verify-cost curve: long drafts must pay
+
+
+def build(arch: str = "llama", seed: int = 0, vocab: int = V):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None)
+    cfg = T.LlamaConfig(**common) if arch == "llama" else T.Gemma2Config(**common, head_dim=8, sliding_window=8)
+    return T.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def prompt(seed: int) -> torch.Tensor:
+    x = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([x, x[:4], x])[None]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_output_is_the_targets_for_chains_and_trees(arch):
+    target, draft = build(arch), build(arch, seed=1)
+    x = prompt(0)
+    ref = target.generate(x, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    for proposer in (AdaptiveGamma(PromptLookup(), STEEP, knob="num_pred_tokens"),
+                     AdaptiveGamma(DraftModel(draft, V, gamma=4), STEEP, plain_step_s=1e-3, knob="gamma"),
+                     AdaptiveGamma(Lookahead(), STEEP), AdaptiveGamma(SuffixDecoding(max_children=3), STEEP)):
+        for _ in range(2):  # the second sequence starts from the first one's acceptance estimates
+            out, _ = speculative_generate(target, proposer, x, NEW)
+            assert torch.equal(out, ref), type(proposer.proposer).__name__
+
+
+@pytest.mark.parametrize("mode,knob", [("chain", "gamma"), ("tree", "depth"), ("tree", None)])
+def test_eagle_chain_and_eagle2_tree_keep_the_targets_greedy_tokens(mode, knob):
+    m = method(1)
+    x = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    proposer = AdaptiveGamma(m.proposer(mode=mode, gamma=4, top_k=3, depth=4, total_tokens=10), STEEP,
+                             plain_step_s=1e-3, knob=knob, decay=0.5)
+    out, _ = speculative_generate(m.target.model, proposer, x, 24, eos_token_id=[])
+    assert torch.equal(out, plain_generate(m.target.model, x, 24, eos_token_id=[])[0])
+
+
+@pytest.mark.parametrize("knob", ["gamma", None], ids=["knob", "cut"])
+def test_sampled_output_has_the_targets_distribution(knob):
+    target, draft = build(vocab=6), build(seed=1, vocab=6)
+    proposer = AdaptiveGamma(DraftModel(draft, 6, gamma=3), STEEP, knob=knob, decay=0.5)
+    chi2, critical = chi2_two_tokens(target, proposer)
+    assert chi2 < critical
+    assert len(set(proposer.gammas)) > 1  # the length did change between steps
+
+
+class Oracle(Proposer):
+    """Drafts up to `gamma` tokens of the target's own continuation, the first `right` of them correct."""
+
+    def __init__(self, continuation: torch.Tensor, right: int, gamma: int = 8):
+        self.ref, self.right, self.gamma = continuation, right, gamma
+
+    def propose(self, ids, sampling):
+        draft = self.ref[ids.numel(): ids.numel() + self.gamma].clone()
+        draft[self.right:] = (draft[self.right:] + 1) % V
+        return DraftTree.chain(draft)
+
+
+@pytest.mark.parametrize("right,expected", [(8, {8}), (0, {1}), (2, {2, 3})], ids=["always", "never", "two"])
+def test_depth_follows_the_acceptance(right, expected):
+    """A drafter that is always right drafts the longest chain, one never right a single token; one right twice
+    drafts 2, and now and then 3: the unobserved third position drifts back to its prior and is tried again."""
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=120, min_new_tokens=120, do_sample=False)[0]
+    flat = {1: 1.0, 16: 1.0 + 15 * 0.05}  # a verification costs 5% more per extra token
+    proposer = AdaptiveGamma(Oracle(ref, right), flat, knob="gamma")
+    out, _ = speculative_generate(target, proposer, x, 100)
+    assert torch.equal(out, ref[None, : out.shape[1]])
+    assert set(proposer.gammas[-6:]) <= expected, proposer.gammas

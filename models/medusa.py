@@ -363,17 +363,26 @@ def greedy_tree(accuracy: torch.Tensor, budget: int) -> tuple[Choices, float]:
 
 
 @torch.no_grad()
-def rank_accuracy(target: Target, heads: MedusaHeads, rows: list[dict], topk: int = 10,
-                  batch_size: int = 8) -> torch.Tensor:
-    """[K, topk]: how often head k's rank-r candidate at position t is the token the target itself
-    predicts greedily at t+k (teacher-forced on held-out rows: the quantity greedy verification tests)."""
+def target_passes(target: Target, rows: list[dict], batch_size: int = 8) -> list[tuple[dict, torch.Tensor]]:
+    """The target over held-out rows once: (batch on the target's device, last hidden state [b, s, H]) per
+    `batch_size` rows, for the accuracies below (Medusa-1's frozen target gives the same passes at every checkpoint)."""
     device = target.lm_head.weight.device
-    hits = torch.zeros(heads.num_heads, topk, dtype=torch.float64)
-    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
+    passes = []
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
-        ids, pos = batch["input_ids"], batch.get("position_ids")
-        hidden = target.tap(ids, batch.get("attention_mask"), pos).hidden  # [b, s, H]
+        passes.append((batch, target.tap(batch["input_ids"], batch.get("attention_mask"), batch["position_ids"]).hidden))
+    return passes
+
+
+def rank_accuracy(target: Target, heads: MedusaHeads, passes: list[tuple[dict, torch.Tensor]],
+                  topk: int = 10) -> torch.Tensor:
+    """[K, topk]: how often head k's rank-r candidate at position t is the token the target itself
+    predicts greedily at t+k (teacher-forced on held-out rows, `target_passes`: the quantity greedy
+    verification tests)."""
+    hits = torch.zeros(heads.num_heads, topk, dtype=torch.float64)
+    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
+    for batch, hidden in passes:  # hidden [b, s, H]
+        ids, pos = batch["input_ids"], batch["position_ids"]
         greedy = target.logits(hidden).argmax(-1)  # [b, s]: the target's token for t+1
         s = ids.shape[1]
         for k in range(1, heads.num_heads + 1):

@@ -43,6 +43,7 @@ from draftsmith.models.medusa import (
     masked_kl,
     rank_accuracy,
     shifted_mask,
+    target_passes,
 )
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
@@ -95,6 +96,20 @@ def medusa2_run(tiny_target_dir, tmp_path_factory) -> Path:
                "medusa.lora_r=4", "medusa.lora_alpha=8", "loop.lr=1e-2")
     return out
 
+
+
+@pytest.mark.parametrize("recipe, extra, passes", [
+    ("medusa1-tiny-code.yaml", (), 1),
+    ("medusa2-tiny-code.yaml", ("medusa.lora_r=4", "medusa.lora_alpha=8"), 2),
+], ids=["medusa1", "medusa2"])
+def test_a_frozen_target_runs_over_the_heldout_rows_once(recipe, extra, passes, tiny_target_dir, tmp_path, monkeypatch):
+    """Medusa-1's target never changes, so one pass over the held-out rows serves every checkpoint's
+    accuracies; Medusa-2 trains the target, so each checkpoint makes its own."""
+    module, calls = script("train/medusa.py"), []
+    real = module.target_passes
+    monkeypatch.setattr(module, "target_passes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_recipe(recipe, tiny_target_dir, tmp_path / "run", "loop.max_steps=2", "loop.save_every=1", *extra)
+    assert len(calls) == passes
 
 # ---- the generic target tap ---------------------------------------------------------------------------
 
@@ -404,7 +419,7 @@ def test_rank_accuracy_matches_a_direct_count():
     torch.manual_seed(3)
     rows = [{"input_ids": torch.randint(1, 96, (10,)).tolist(), "loss_mask": [1] * 10,
              "position_ids": list(range(10))}]
-    acc = rank_accuracy(target, method.heads, rows, topk=4)  # [2, 4]
+    acc = rank_accuracy(target, method.heads, target_passes(target, rows), topk=4)  # [2, 4]
     ids = torch.tensor(rows[0]["input_ids"])[None]
     with torch.no_grad():
         hidden = target.tap(ids).hidden[0]  # [s, H]

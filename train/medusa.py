@@ -28,13 +28,14 @@ from draftsmith.models.medusa import (
     greedy_tree,
     head_losses,
     rank_accuracy,
+    target_passes,
     verifier_model,
 )
 from draftsmith.models.target import TargetConfig, load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
-from draftsmith.train.loop import Loop, collate
+from draftsmith.train.loop import Loop
 
 
 def _data_default() -> DataConfig:
@@ -72,13 +73,10 @@ def build_data(cfg: Recipe, tokenizer):
                                                             cfg.eval.heldout_path, cfg.eval.heldout_split)
 
 
-def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int = 8) -> dict[str, float]:
-    """Per-head loss and top-1/top-k accuracy on held-out rows, token-weighted over batches."""
-    device = method.target.lm_head.weight.device
+def head_accuracy(method: Medusa, passes: list[tuple[dict, torch.Tensor]], topk: int) -> dict[str, float]:
+    """Per-head loss and top-1/top-k accuracy on held-out rows (`target_passes`), token-weighted over batches."""
     sums: dict[str, float] = {}
-    for i in range(0, len(rows), batch_size):
-        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
-        hidden = method.target.tap(batch["input_ids"], batch.get("attention_mask"), batch["position_ids"]).hidden
+    for batch, hidden in passes:
         _, metrics = head_losses(method.heads, hidden, batch["input_ids"], batch["loss_mask"],
                                  batch["position_ids"], topk)
         n = batch["loss_mask"].sum().item()
@@ -89,16 +87,17 @@ def head_accuracy(method: Medusa, rows: list[dict], topk: int, batch_size: int =
     return {k: v / n for k, v in sums.items()}
 
 
-def evaluate_checkpoint(method: Medusa, heldout: list[dict], decode, cfg: EvalConfig, step: int) -> dict:
-    """Per-head accuracy on held-out rows; with prompts, the greedy tree from the measured per-head rank
-    accuracy (kept as the checkpoint's tree) and tau by real greedy decoding through the shared evaluator
-    (`acceptance_pos{k}` is the acceptance of head k, conditional on heads 1..k-1 accepted)."""
-    metrics = head_accuracy(method, heldout, cfg.topk)
+def evaluate_checkpoint(method: Medusa, passes: list[tuple[dict, torch.Tensor]], decode, cfg: EvalConfig,
+                        step: int) -> dict:
+    """Per-head accuracy on held-out rows (`target_passes`); with prompts, the greedy tree from the measured
+    per-head rank accuracy (kept as the checkpoint's tree) and tau by real greedy decoding through the shared
+    evaluator (`acceptance_pos{k}` is the acceptance of head k, conditional on heads 1..k-1 accepted)."""
+    metrics = head_accuracy(method, passes, cfg.topk)
     if decode is None:
         return metrics
     method.choices = chain_choices(method.heads.num_heads)
     if cfg.tree == "tree":
-        acc = rank_accuracy(method.target, method.heads, heldout, cfg.tree_ranks)  # [K, R]
+        acc = rank_accuracy(method.target, method.heads, passes, cfg.tree_ranks)  # [K, R]
         method.choices, metrics["expected_tau"] = greedy_tree(acc, cfg.tree_budget)
     metrics.update(decode(method, step))
     print(f"step {step}: tau={metrics['tau']:.3f} ({cfg.tree} of {len(method.choices)} nodes, greedy, "
@@ -131,8 +130,13 @@ def main(argv: list[str] | None = None) -> Loop:
                                        load_prompts(Path(cfg.eval.prompts)), cfg.eval.max_new_tokens,
                                        num_prompts=cfg.eval.num_prompts) if cfg.eval.num_prompts else None
 
+    frozen = not any(p.requires_grad for p in target.parameters())  # Medusa-1: one target pass serves every checkpoint
+    passes: list = []
+
     def evaluate(m: Medusa, step: int) -> dict:
-        return evaluate_checkpoint(m, heldout, decode, cfg.eval, step)
+        nonlocal passes
+        passes = passes if frozen and passes else target_passes(m.target, heldout)
+        return evaluate_checkpoint(m, passes, decode, cfg.eval, step)
 
     loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
     loop.run()

@@ -55,6 +55,7 @@ def _worker(rank: int, port: int, lockstep: bool, queue) -> None:
     with torch.no_grad(), sharded(Shard(rank, 2, lockstep)):
         result = figures(target)
     queue.put((rank, result))
+    dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
 
 

@@ -363,35 +363,52 @@ def greedy_tree(accuracy: torch.Tensor, budget: int) -> tuple[Choices, float]:
 
 
 @torch.no_grad()
-def target_passes(target: Target, rows: list[dict], batch_size: int = 8) -> list[tuple[dict, torch.Tensor]]:
-    """The target over held-out rows once: (batch on the target's device, last hidden state [b, s, H]) per
-    `batch_size` rows, for the accuracies below (Medusa-1's frozen target gives the same passes at every checkpoint)."""
+@torch.no_grad()
+def target_passes(target: Target, rows: list[dict], batch_size: int = 8) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """The target over held-out rows once: (batch on the target's device, last hidden state [b, s, H], the target's
+    greedy token for t+1 [b, s]) per `batch_size` rows, for `heldout_accuracy` (Medusa-1's frozen target gives the
+    same passes at every checkpoint)."""
     device = target.lm_head.weight.device
     passes = []
     for i in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
-        passes.append((batch, target.tap(batch["input_ids"], batch.get("attention_mask"), batch["position_ids"]).hidden))
+        hidden = target.tap(batch["input_ids"], batch.get("attention_mask"), batch["position_ids"]).hidden
+        passes.append((batch, hidden, target.logits(hidden).argmax(-1)))
     return passes
 
 
-def rank_accuracy(target: Target, heads: MedusaHeads, passes: list[tuple[dict, torch.Tensor]],
-                  topk: int = 10) -> torch.Tensor:
-    """[K, topk]: how often head k's rank-r candidate at position t is the token the target itself
-    predicts greedily at t+k (teacher-forced on held-out rows, `target_passes`: the quantity greedy
-    verification tests)."""
-    hits = torch.zeros(heads.num_heads, topk, dtype=torch.float64)
-    counts = torch.zeros(heads.num_heads, dtype=torch.float64)
-    for batch, hidden in passes:  # hidden [b, s, H]
-        ids, pos = batch["input_ids"], batch["position_ids"]
-        greedy = target.logits(hidden).argmax(-1)  # [b, s]: the target's token for t+1
-        s = ids.shape[1]
-        for k in range(1, heads.num_heads + 1):
-            mask = shifted_mask(batch["loss_mask"], pos, k + 1)  # [b, s-k-1]
-            label = greedy[:, k: s - 1][mask]  # [n]: the target's token for t+k+1
-            top = heads.head(k - 1, hidden[:, : s - k - 1][mask]).topk(topk, -1).indices  # [n, topk]
-            hits[k - 1] += (top == label[:, None]).double().sum(0).cpu()
-            counts[k - 1] += label.numel()
-    return hits / counts.clamp_min(1)[:, None]
+@torch.no_grad()
+def heldout_accuracy(heads: MedusaHeads, passes: list[tuple[dict, torch.Tensor, torch.Tensor]], topk: int = 5,
+                     ranks: int = 10) -> tuple[dict[str, float], torch.Tensor]:
+    """Each head's logits once over the held-out rows (`target_passes`) -> (metrics, rank accuracy [K, ranks]).
+
+    metrics: head{k}_loss, head{k}_top1, head{k}_top{topk} against the data's token at t+k+1 (as `head_losses`
+    computes them, token-weighted over batches); rank accuracy [k-1, r]: how often head k's rank-r candidate is
+    the token the target itself predicts greedily at t+k+1 (teacher-forced: the quantity greedy verification
+    tests, from which `greedy_tree` builds the tree)."""
+    K = heads.num_heads
+    sums = torch.zeros(K, 3, dtype=torch.float64)  # [K, (CE sum, top1 hits, top-k hits)]
+    hits = torch.zeros(K, ranks, dtype=torch.float64)
+    counts = torch.zeros(K, dtype=torch.float64)
+    for batch, hidden, greedy in passes:  # hidden [b, s, H], greedy [b, s]
+        ids, s = batch["input_ids"], batch["input_ids"].shape[1]
+        for k in range(1, K + 1):
+            mask = shifted_mask(batch["loss_mask"], batch["position_ids"], k + 1)  # [b, s-k-1]
+            logits = heads.head(k - 1, hidden[:, : s - k - 1][mask]).float()  # [n, V]
+            labels, target_says = ids[:, k + 1:][mask], greedy[:, k: s - 1][mask]  # [n], [n]
+            top = logits.topk(min(max(topk, ranks), logits.shape[-1]), -1).indices  # [n, max(topk, ranks)]
+            sums[k - 1, 0] += F.cross_entropy(logits, labels, reduction="sum").item()
+            sums[k - 1, 1] += (top[:, 0] == labels).sum().item()
+            sums[k - 1, 2] += (top[:, :topk] == labels[:, None]).any(-1).sum().item()
+            hits[k - 1] += (top[:, :ranks] == target_says[:, None]).double().sum(0).cpu()
+            counts[k - 1] += labels.numel()
+    mean = sums / counts.clamp_min(1)[:, None]
+    metrics = {}
+    for k in range(1, K + 1):
+        metrics[f"head{k}_loss"], metrics[f"head{k}_top1"] = mean[k - 1, 0].item(), mean[k - 1, 1].item()
+        if topk > 1:
+            metrics[f"head{k}_top{topk}"] = mean[k - 1, 2].item()
+    return metrics, hits / counts.clamp_min(1)[:, None]
 
 
 class MedusaProposer(Proposer):

@@ -35,7 +35,8 @@ from draftsmith.models.medusa import (
     chain_choices,
     greedy_tree,
     load_medusa,
-    rank_accuracy,
+    heldout_accuracy,
+    target_passes,
 )
 from draftsmith.models.target import Target, load_target
 
@@ -47,7 +48,8 @@ def decode_figures(name: str, run: Path, args) -> dict:
     """tau / acceptance / speedup of one drafter for chain and tree, at every setting."""
     drafter = load_medusa(find_drafter(run))
     target, heads = drafter.target, drafter.heads
-    acc = rank_accuracy(target, heads, heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout), args.tree_ranks)  # [K, R]
+    passes = target_passes(target, heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout))
+    _, acc = heldout_accuracy(heads, passes, ranks=args.tree_ranks)  # [K, R]
     tree, expected = greedy_tree(acc, args.tree_budget)
     prompts = render_prompts(target.tokenizer, load_prompts(Path(args.prompts), args.num_prompts))
     out = {f"{name}.tree.nodes": len(tree), f"{name}.tree.expected_tau": expected,

@@ -41,7 +41,7 @@ from draftsmith.models.medusa import (
     head_warmup,
     load_medusa,
     masked_kl,
-    rank_accuracy,
+    heldout_accuracy,
     shifted_mask,
     target_passes,
 )
@@ -412,15 +412,20 @@ def test_greedy_tree_maximises_expected_acceptance():
     assert chain == chain_choices(2) and math.isclose(chain_expected, 1 + 0.9 + 0.72, rel_tol=1e-6)
 
 
-def test_rank_accuracy_matches_a_direct_count():
+def test_heldout_accuracy_matches_head_losses_and_a_direct_rank_count():
     target = Target(tiny_llama())
     method = Medusa(target, MedusaConfig(num_heads=2))
     randomised_heads(method)
     torch.manual_seed(3)
     rows = [{"input_ids": torch.randint(1, 96, (10,)).tolist(), "loss_mask": [1] * 10,
              "position_ids": list(range(10))}]
-    acc = rank_accuracy(target, method.heads, target_passes(target, rows), topk=4)  # [2, 4]
+    metrics, acc = heldout_accuracy(method.heads, target_passes(target, rows), topk=3, ranks=4)  # acc [2, 4]
     ids = torch.tensor(rows[0]["input_ids"])[None]
+    with torch.no_grad():
+        _, expected = head_losses(method.heads, target.tap(ids).hidden, ids, torch.ones_like(ids), topk=3)
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5), key
     with torch.no_grad():
         hidden = target.tap(ids).hidden[0]  # [s, H]
         greedy = target.logits(hidden).argmax(-1)  # [s]

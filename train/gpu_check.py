@@ -125,7 +125,8 @@ def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
     rows = [json.loads(r) for r in (work / name / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
     seconds = loop.state.train_seconds
-    out = {"steps": loop.state.step, "train_seconds": round(seconds, 2), "tokens_per_s": round(timer.tokens / seconds, 1),
+    out = {"steps": loop.state.step, "train_tokens": timer.tokens, "train_seconds": round(seconds, 2),
+           "tokens_per_s": round(timer.tokens / seconds, 1),
            "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"], "wall_seconds": round(wall, 1),
            "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available()
            else None}

@@ -26,8 +26,7 @@ from draftsmith.models.medusa import (
     MedusaConfig,
     chain_choices,
     greedy_tree,
-    head_losses,
-    rank_accuracy,
+    heldout_accuracy,
     target_passes,
     verifier_model,
 )
@@ -73,31 +72,16 @@ def build_data(cfg: Recipe, tokenizer):
                                                             cfg.eval.heldout_path, cfg.eval.heldout_split)
 
 
-def head_accuracy(method: Medusa, passes: list[tuple[dict, torch.Tensor]], topk: int) -> dict[str, float]:
-    """Per-head loss and top-1/top-k accuracy on held-out rows (`target_passes`), token-weighted over batches."""
-    sums: dict[str, float] = {}
-    for batch, hidden in passes:
-        _, metrics = head_losses(method.heads, hidden, batch["input_ids"], batch["loss_mask"],
-                                 batch["position_ids"], topk)
-        n = batch["loss_mask"].sum().item()
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v * n
-        sums["_n"] = sums.get("_n", 0.0) + n
-    n = sums.pop("_n", 1.0)
-    return {k: v / n for k, v in sums.items()}
-
-
-def evaluate_checkpoint(method: Medusa, passes: list[tuple[dict, torch.Tensor]], decode, cfg: EvalConfig,
-                        step: int) -> dict:
+def evaluate_checkpoint(method: Medusa, passes: list[tuple[dict, torch.Tensor, torch.Tensor]], decode,
+                        cfg: EvalConfig, step: int) -> dict:
     """Per-head accuracy on held-out rows (`target_passes`); with prompts, the greedy tree from the measured
     per-head rank accuracy (kept as the checkpoint's tree) and tau by real greedy decoding through the shared
     evaluator (`acceptance_pos{k}` is the acceptance of head k, conditional on heads 1..k-1 accepted)."""
-    metrics = head_accuracy(method, passes, cfg.topk)
+    metrics, acc = heldout_accuracy(method.heads, passes, cfg.topk, cfg.tree_ranks)  # acc [K, R]
     if decode is None:
         return metrics
     method.choices = chain_choices(method.heads.num_heads)
     if cfg.tree == "tree":
-        acc = rank_accuracy(method.target, method.heads, passes, cfg.tree_ranks)  # [K, R]
         method.choices, metrics["expected_tau"] = greedy_tree(acc, cfg.tree_budget)
     metrics.update(decode(method, step))
     print(f"step {step}: tau={metrics['tau']:.3f} ({cfg.tree} of {len(method.choices)} nodes, greedy, "

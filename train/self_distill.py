@@ -106,12 +106,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = build_prompts(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = [json.loads(line) for line in open(prompts_file)]
-    rows.sort(key=lambda r: r["split"] != "heldout")  # held-out first: evaluation needs them before training
     answers = work / "answers.jsonl"
     if not answers.is_file():
         seed_from_committed(out, answers, work / "timing.json")
     done = read_done(answers)
-    todo = [r for r in rows if r["id"] not in done]
+    # Held-out first; then conversations with as many turns together, so a batch runs no extra rounds for a few.
+    todo = sorted((r for r in rows if r["id"] not in done),
+                  key=lambda r: (r["split"] != "heldout", sum(m["role"] == "user" for m in r["messages"])))
     log.info("self_distill: %d of %d prompts to answer (%s)", len(todo), len(rows), answers)
 
     torch.manual_seed(args.seed + len(done))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -69,15 +71,37 @@ def test_resume_from_a_middle_checkpoint_is_bitwise_exact(tmp_path):
     Loop(loop_cfg(tmp_path / "b"), tiny_method(seed=123), resumed).run()  # other init: weights come from the checkpoint
 
     assert_bitwise_equal(final_weights(tmp_path / "a", 8), final_weights(tmp_path / "b", 8))
-    half = len(straight.seen) // 2
-    assert resumed.seen == straight.seen[half:], "resumed run must see exactly the examples after the checkpoint"
+    done = 4 * 2 * 3  # rows trained before checkpoint-4; both runs also read one micro-batch ahead at the end
+    assert len(straight.seen) == 8 * 2 * 3 + 3
+    assert resumed.seen == straight.seen[done:], "resumed run must see exactly the examples after the checkpoint"
+
+
+def test_the_next_micro_batch_is_read_in_the_background_while_this_one_trains(tmp_path):
+    class Reads(Recorder):
+        def __getitem__(self, i):
+            threads.add(threading.current_thread().name)
+            return super().__getitem__(i)
+
+    class Waits(CausalLM):
+        def forward(self, batch):  # wait (up to 10 s) for the next micro-batch's 3 rows to be read meanwhile
+            deadline, want = time.monotonic() + 10, 3 * (len(read_during_step) + 2)  # rows through micro-batch j+1
+            while len(data.seen) < want and time.monotonic() < deadline:
+                time.sleep(0.005)
+            read_during_step.append(len(data.seen) >= want)
+            return super().forward(batch)
+
+    threads: set[str] = set()
+    data, read_during_step = Reads(), []
+    Loop(loop_cfg(tmp_path, max_steps=2), Waits(tiny_method().model), data).run()
+    assert read_during_step == [True] * 4  # 2 steps x 2 micro-batches, each while the one before trained
+    assert len(data.seen) == 5 * 3 and threading.current_thread().name not in threads
 
 
 def test_kill_and_resume_sees_no_example_twice(tmp_path):
     straight = Recorder()
     Loop(loop_cfg(tmp_path / "a"), tiny_method(), straight).run()
 
-    crashing = Recorder(crash_after=len(straight.seen) * 5 // 8)  # dies during step 6, after checkpoint-4
+    crashing = Recorder(crash_after=31)  # dies during step 6 (rows 30-35), after checkpoint-4
     with pytest.raises(KeyboardInterrupt):
         Loop(loop_cfg(tmp_path / "b"), tiny_method(), crashing).run()
     assert [p.name for p in checkpoints(tmp_path / "b")] == ["checkpoint-4"]
@@ -85,7 +109,7 @@ def test_kill_and_resume_sees_no_example_twice(tmp_path):
     Loop(loop_cfg(tmp_path / "b"), tiny_method(), again).run()
 
     assert_bitwise_equal(final_weights(tmp_path / "a", 8), final_weights(tmp_path / "b", 8))
-    assert again.seen == straight.seen[len(straight.seen) // 2:]
+    assert again.seen == straight.seen[4 * 2 * 3:]  # both read one micro-batch ahead at the end
     state = json.loads((tmp_path / "b" / "checkpoint-8" / "state.json").read_text())
     assert state["step"] == 8
 

@@ -48,6 +48,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -504,16 +505,31 @@ class Loop:
     # ---- the loop ----------------------------------------------------------------------------------
 
     def micro_batches(self):
-        """Endless stream of (epoch, index, batch) from the saved data position on."""
+        """Endless stream of (epoch, last in epoch, index, batch) from the saved data position on. The next batch is
+        read and collated in a background thread while this one trains (an offline cache reads it from disk)."""
         acc = self.accelerator
         sampler = EpochSampler(len(self.dataset), self.cfg.batch_size, self.cfg.seed,
                                acc.process_index, acc.num_processes)
-        epoch, start = self.state.epoch, self.state.micro_batch
-        while epoch < self.cfg.max_epochs:
-            for j, idx in sampler.batches(epoch, start):
-                batch = self.collate([self.dataset[i] for i in idx])
-                yield epoch, j + 1 == sampler.per_epoch, j, {k: v.to(acc.device) for k, v in batch.items()}
-            epoch, start = epoch + 1, 0
+
+        def positions():
+            epoch, start = self.state.epoch, self.state.micro_batch
+            while epoch < self.cfg.max_epochs:
+                for j, idx in sampler.batches(epoch, start):
+                    yield epoch, j + 1 == sampler.per_epoch, j, idx
+                epoch, start = epoch + 1, 0
+
+        def read(idx: list[int]) -> dict[str, torch.Tensor]:
+            return self.collate([self.dataset[i] for i in idx])
+
+        with ThreadPoolExecutor(1, thread_name_prefix="draftsmith-prefetch") as pool:
+            todo = positions()
+            nxt = next(todo, None)
+            pending = nxt and pool.submit(read, nxt[3])
+            while nxt is not None:
+                (epoch, last, j, _), batch = nxt, pending.result()
+                nxt = next(todo, None)
+                pending = nxt and pool.submit(read, nxt[3])
+                yield epoch, last, j, {k: v.to(acc.device) for k, v in batch.items()}
 
     def run(self) -> LoopState:
         """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;

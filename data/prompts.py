@@ -1,4 +1,5 @@
-"""Diverse chat prompts built from code, for self-distilling a real target (scripts/self_distill.py).
+"""Diverse chat prompts built from code, for self-distilling a real target (scripts/self_distill.py), and
+plain-text openings for a base model without a chat template (`build_text_prompts`).
 
 No hub, no downloaded data: code tasks come from the running interpreter's standard library (functions
 to write from their docstrings, functions to explain, modules to describe), prose to summarise and rewrite
@@ -174,3 +175,44 @@ def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
         bucket = int(hashlib.sha256(users[0].encode()).hexdigest()[:8], 16) % 100
         r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
     return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
+
+
+def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
+    """(stdlib function headers with their docstrings, openings of stdlib module-docstring paragraphs)."""
+    code, prose = [], []
+    for f in stdlib_files():
+        try:
+            tree = ast.parse(f.text)
+        except SyntaxError:
+            continue
+        lines = f.text.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and len(node.body) > 1:
+                header = "\n".join(lines[node.lineno - 1: node.body[0].end_lineno]) + "\n"  # def ... + docstring
+                if 80 <= len(header) <= 1200:
+                    code.append(header)
+        doc = ast.get_docstring(tree)
+        for para in (doc or "").split("\n\n"):
+            para = " ".join(para.split())
+            if len(para) >= 200 and ">>>" not in para:
+                cut = para.rfind(". ", 0, 240)
+                prose.append(para[: cut + 1] if cut > 60 else para[: para.rfind(" ", 0, 160)])
+    code, prose = list(dict.fromkeys(code)), list(dict.fromkeys(prose))  # distinct, in file order
+    for xs in (code, prose):
+        rng.shuffle(xs)
+    return code, prose
+
+
+def build_text_prompts(n: int = 1200, seed: int = 0) -> list[dict]:
+    """Up to n distinct plain-text openings `{"id", "kind", "split", "prompt"}` for a base model to continue: 70%
+    code (a stdlib function's header and docstring), the rest prose while it lasts; split by a hash of the text as
+    `build_prompts` does."""
+    code, prose = text_openings(random.Random(seed))
+    picked = code[: round(0.7 * n)] + prose[: n - round(0.7 * n)]
+    rows = []
+    for text in picked:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        rows.append({"id": digest[:16], "kind": "code" if text.startswith(("def ", "async def ")) else "prose",
+                     "split": "heldout" if int(digest[16:24], 16) % 100 < HELDOUT_PERCENT else "train",
+                     "prompt": text})
+    return rows

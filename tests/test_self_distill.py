@@ -5,9 +5,10 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import shutil
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.prompts import build_prompts
+from draftsmith.data.prompts import build_prompts, build_text_prompts
 from draftsmith.data.reference import load_prompts
 from draftsmith.train import self_distill
 
@@ -57,3 +58,41 @@ def test_self_distill_answers_resumes_and_finalizes(tiny_chat_target, tmp_path):
     again = [json.loads(line) for line in open(tmp_path / "work2" / "answers.jsonl")]
     assert sorted(r["id"] for r in again) == sorted(r["id"] for r in answers)
     assert json.loads((tmp_path / "work2" / "timing.json").read_text())["seconds"] == settings["regeneration_seconds"]
+
+
+def test_text_prompts_are_distinct_split_by_hash_and_mostly_code():
+    rows = build_text_prompts(300, seed=0)
+    assert len(rows) == 300 and len({r["id"] for r in rows}) == 300
+    kinds = collections.Counter(r["kind"] for r in rows)
+    assert kinds["code"] == 210 and kinds["prose"] == 90
+    assert all(r["prompt"].startswith(("def ", "async def ")) for r in rows if r["kind"] == "code")
+    assert 0.03 < sum(r["split"] == "heldout" for r in rows) / len(rows) < 0.15
+    assert build_text_prompts(300, seed=0) == rows
+
+
+def test_a_base_model_without_a_chat_template_continues_text(tiny_chat_target, tmp_path):
+    """A target with no chat template (a base model) gets plain-text openings and continues them: rows of `text`
+    that train as plain text, and held-out `prompt` rows the checkpoint evaluation decodes."""
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_chat_target, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tok = AutoTokenizer.from_pretrained(base)
+    assert tok.chat_template is None
+    args = ["--target", str(base), "--num-prompts", "60", "--max-new-tokens", "5", "--batch-size", "32",
+            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    self_distill.main(args)
+    self_distill.main(args + ["--finalize"])
+    answers = [json.loads(line) for line in open(tmp_path / "work" / "answers.jsonl")]
+    assert len(answers) == 60 and all(r["text"].startswith(r["prompt"]) and len(r["text"]) > len(r["prompt"])
+                                      for r in answers)
+    settings = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert settings["format"] == "text" and settings["answered"] == {"train": 58, "heldout": 2}
+    rows = build_dataset(DataConfig(path=str(tmp_path / "out" / "train.jsonl.gz"), cache=False), tok)
+    assert len(rows) == settings["answered"]["train"] and all(sum(r["loss_mask"]) > 0 for r in rows)
+    prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")
+    assert len(prompts) == settings["answered"]["heldout"] and all("prompt" in p for p in prompts)

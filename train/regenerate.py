@@ -71,12 +71,19 @@ def conversations(data: str, split: str, limit: int) -> list[dict[str, Any]]:
     return rows
 
 
-@torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[dict[str, str]]], temperature: float,
              max_new_tokens: int) -> list[str]:
     """One assistant reply per conversation prefix, in one batch (the tokenizer must pad on the left)."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    return complete(model, tokenizer, texts, temperature, max_new_tokens)
+
+
+@torch.no_grad()
+def complete(model, tokenizer, texts: list[str], temperature: float, max_new_tokens: int,
+             add_special_tokens: bool = False) -> list[str]:
+    """One continuation per text, in one batch (the tokenizer must pad on the left). Rendered chat needs no special
+    tokens added; plain text for a base model takes the tokenizer's own (Gemma's BOS)."""
+    enc = tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
         else {"do_sample": False}
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,

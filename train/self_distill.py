@@ -1,11 +1,12 @@
-"""Self-distilled chat data for a real target: build diverse prompts, let the target answer them, commit the result.
+"""Self-distilled data for a real target: build diverse prompts, let the target answer them, commit the result.
 
     python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
     python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
-turn. The target answers each one through train/regenerate.py's batched generation (held-out prompts
+turn. A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
+openings instead (stdlib function headers with docstrings, prose) and continues them: rows of `text`. The target answers each one through train/regenerate.py's batched generation (held-out prompts
 first), appending to `runs/self_distill/NAME/answers.jsonl`, so an interrupted run resumes where it
 stopped (a fresh checkout resumes from the data already finalized into data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
 settings, counts, the target's provenance, time spent, the command) from the answers written so far.
@@ -25,9 +26,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.data.prompts import build_prompts
+from draftsmith.data.prompts import build_prompts, build_text_prompts
 from draftsmith.models.zoo import resolve_target
-from draftsmith.train.regenerate import read_done, regenerate_batch
+from draftsmith.train.regenerate import complete, read_done, regenerate_batch
 
 log = logging.getLogger("draftsmith.self_distill")
 
@@ -43,12 +44,13 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
         with gzip.open(out / f"{split}.jsonl.gz", "wt", encoding="utf-8", compresslevel=9) as fh:
             for r in part:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    # Decoding prompts for tau: each held-out conversation up to its last user turn (earlier answers kept).
+    # Decoding prompts for tau: each held-out conversation up to its last user turn (earlier answers kept), or the
+    # held-out text opening.
     with open(out / "heldout_prompts.jsonl", "w") as fh:
         for r in rows:
             if r["split"] == "heldout":
-                fh.write(json.dumps({"id": r["id"], "kind": r["kind"], "messages": r["messages"][:-1]},
-                                    ensure_ascii=False) + "\n")
+                prompt = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"][:-1]}
+                fh.write(json.dumps({"id": r["id"], "kind": r["kind"], **prompt}, ensure_ascii=False) + "\n")
     prompts = [json.loads(line) for line in open(work / "prompts.jsonl")]
     timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").is_file() else {}
     settings = {**settings, "answered": counts, "prompts": {
@@ -58,6 +60,12 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
         if (target_dir / "provenance.json").is_file() else None}
     (out / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     return settings
+
+
+def continue_batch(model, tokenizer, batch: list[dict], temperature: float, max_new_tokens: int) -> list[dict]:
+    """Plain-text rows `{"prompt", ...}` -> the same rows with `text`: the opening and the target's continuation."""
+    tails = complete(model, tokenizer, [r["prompt"] for r in batch], temperature, max_new_tokens, add_special_tokens=True)
+    return [{**r, "text": r["prompt"] + tail} for r, tail in zip(batch, tails, strict=True)]
 
 
 def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
@@ -91,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work or Path("runs") / "self_distill" / name)
     out = Path(args.out or Path("data") / "real" / name)
     target_dir = Path(resolve_target(args.target))
-    settings = {"target": args.target, "num_prompts": args.num_prompts, "prompt_seed": args.seed,
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    text = tokenizer.chat_template is None  # a base model: plain-text openings to continue
+    settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
+                "prompt_seed": args.seed,
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                              "max_new_tokens": args.max_new_tokens, "seed": args.seed},
                 "batch_size": args.batch_size,
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     prompts_file = work / "prompts.jsonl"
     if not prompts_file.is_file():
-        rows = build_prompts(args.num_prompts, args.seed)
+        rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = [json.loads(line) for line in open(prompts_file)]
     answers = work / "answers.jsonl"
@@ -112,12 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     done = read_done(answers)
     # Held-out first; then conversations with as many turns together, so a batch runs no extra rounds for a few.
     todo = sorted((r for r in rows if r["id"] not in done),
-                  key=lambda r: (r["split"] != "heldout", sum(m["role"] == "user" for m in r["messages"])))
+                  key=lambda r: (r["split"] != "heldout", len(r.get("messages", ()))))
     log.info("self_distill: %d of %d prompts to answer (%s)", len(todo), len(rows), answers)
 
     torch.manual_seed(args.seed + len(done))
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -126,8 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(answers, "a") as fh:
         for b in range(0, len(todo), args.batch_size):
             t0 = time.perf_counter()
-            for row in regenerate_batch(model, tokenizer, todo[b: b + args.batch_size], args.temperature,
-                                        args.max_new_tokens):
+            for row in (continue_batch if text else regenerate_batch)(
+                    model, tokenizer, todo[b: b + args.batch_size], args.temperature, args.max_new_tokens):
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             fh.flush()
             spent += time.perf_counter() - t0

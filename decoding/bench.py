@@ -11,8 +11,12 @@ own module (models/registry.py); the untrained baselines are in BASELINES.
 from __future__ import annotations
 
 import functools
+import json
+import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,6 +40,17 @@ class Drafting:
     modules: list[nn.Module] = field(default_factory=list)  # what the drafter runs, to count its parameters
     gamma: int | None = None  # fixed chain length; None where drafts vary (trees, n-gram matches)
     max_gamma: int = max(GAMMAS)
+
+
+def write_figures(out: Path, figures: dict, settings: dict) -> dict:
+    """Write a benchmark's figures to `out` as JSON, with `settings` plus the hardware and the command line."""
+    figures["settings"] = {**settings,
+                           "hardware": f"CPU, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
+                           "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"wrote {out}")
+    return figures
 
 
 def _sampling(temperature: float, seed: int) -> Sampling:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 from draftsmith.data.core import best_record, checkpoints, find_drafter
 from draftsmith.data.dataset import DataConfig, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.bench import write_figures
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.medusa import chain_choices
 from draftsmith.models.registry import load_proposer
@@ -124,17 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
             figures[name][mode] = decode(f"{name} {mode}", target, proposer, prompts, args, baselines)
     cache = json.loads(args.cache_figures.read_text()) if args.cache_figures.is_file() else None
     figures["offline_cache"] = cache
-    figures["settings"] = {
+    return write_figures(args.out, figures, {
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
         "eagle2_trees": {f"tree{t.split(',')[2]}": dict(zip(("top_k", "depth", "total_tokens"), map(int, t.split(",")),
                                                             strict=True)) for t in args.trees},
-        "t1": "temperature 1, exact verification (multi-round rejection sampling for trees), lossless",
-        "hardware": f"CPU, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, shared",
-        "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return figures
+        "t1": "temperature 1, exact verification (multi-round rejection sampling for trees), lossless"})
 
 
 def _weights(drafter: Path) -> dict:

@@ -14,8 +14,6 @@ forward-only time on the same batch (median of repeats), and the process's peak 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import statistics
 import sys
@@ -27,6 +25,7 @@ import torch
 from draftsmith.data.core import collate, find_drafter, read_drafter_meta
 from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
+from draftsmith.decoding.bench import write_figures
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.medusa import (
     Medusa,
@@ -34,8 +33,8 @@ from draftsmith.models.medusa import (
     MedusaProposer,
     chain_choices,
     greedy_tree,
-    load_medusa,
     heldout_accuracy,
+    load_medusa,
     target_passes,
 )
 from draftsmith.models.target import Target, load_target
@@ -134,16 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
         figures.update(decode_figures(name, run, args))
         figures.update(train_cost(name, run, args))
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    figures["settings"] = {
+    return write_figures(args.out, figures, {
         "runs": {k: str(v) for k, v in runs.items()}, "num_prompts": args.num_prompts,
         "max_new_tokens": args.max_new_tokens, "tree_budget": args.tree_budget, "batch": [args.batch_size, args.seq_len],
-        "typical": "lossy (epsilon 0.09, delta 0.3)", "exact": "multi-round rejection sampling, lossless",
-        "hardware": f"CPU, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return figures
+        "typical": "lossy (epsilon 0.09, delta 0.3)", "exact": "multi-round rejection sampling, lossless"})
 
 
 if __name__ == "__main__":

@@ -43,6 +43,37 @@ def randomise(module: torch.nn.Module) -> None:
         torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
 
 
+def random_row(vocab: int, length: int, seed: int) -> tuple[torch.Tensor, dict]:
+    """Random token ids [1, length] and the one-sequence batch over them (every position in the loss)."""
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    return ids, {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(length)[None]}
+
+
+def recorded_outputs(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A list that receives out[0] of every forward of `module` from now on (batch row 0)."""
+    outs: list[torch.Tensor] = []
+    module.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    return outs
+
+
+def assert_greedy_matches(model, proposer, vocab: int, gamma: int) -> None:
+    """24 speculative greedy tokens after a random 7-token prompt equal the model's own, with every step after the
+    first few drafting `gamma` tokens."""
+    from draftsmith.decoding.generate import plain_generate, speculative_generate
+
+    prompt = torch.randint(0, vocab, (1, 7), generator=torch.Generator().manual_seed(1))
+    spec, stats = speculative_generate(model, proposer, prompt, 24, eos_token_id=[])
+    plain, _ = plain_generate(model, prompt, 24, eos_token_id=[])
+    assert torch.equal(spec, plain) and stats.new_tokens == 24 and stats.drafted >= gamma * (stats.steps - 4)
+
+
+def forward_widths(module: torch.nn.Module) -> list[int]:
+    """A list that receives the sequence length (out.shape[1]) of every forward of `module` from now on."""
+    widths: list[int] = []
+    module.register_forward_hook(lambda mod, args, out: widths.append(out.shape[1]))
+    return widths
+
+
 def train_steps(method: torch.nn.Module, loss_fn, batch: dict, steps: int = 200, lr: float = 3e-3) -> dict:
     """`steps` AdamW steps on loss_fn(batch) -> (loss, metrics) over the trainable parameters; the last metrics."""
     opt = torch.optim.AdamW([p for p in method.parameters() if p.requires_grad], lr=lr)

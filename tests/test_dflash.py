@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-from conftest import chi2_two_tokens, randomise, script, train_steps
+from conftest import (
+    assert_greedy_matches,
+    chi2_two_tokens,
+    forward_widths,
+    random_row,
+    randomise,
+    recorded_outputs,
+    script,
+    train_steps,
+)
 from test_decoding_generate import CONFIGS
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -43,10 +52,8 @@ def method(target: Target | None = None, block_size: int = 5, num_layers: int = 
 def test_training_block_equals_what_the_proposer_computes():
     """The block at anchor a in training = the proposer's block after committing tokens 0..a."""
     m = method(block_size=5)
-    ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(2))
-    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(12)[None]}
-    outs = []
-    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    ids, bt = random_row(V, 12, 2)
+    outs = recorded_outputs(m.drafter)
     tap = m.target.tap(ids, layers=tuple(m.layers))
     for a in (1, 4, 9):
         m.blocks(bt, anchors=torch.tensor([[a]]))
@@ -64,8 +71,7 @@ def test_blocks_do_not_see_later_context_or_other_sequences():
     packed = {"input_ids": ids, "loss_mask": torch.ones_like(ids),
               "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
     alone = {"input_ids": ids[:, 5:], "loss_mask": torch.ones_like(ids[:, 5:]), "position_ids": torch.arange(7)[None]}
-    outs = []
-    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    outs = recorded_outputs(m.drafter)
     changed = {**packed, "input_ids": packed["input_ids"].clone()}
     changed["input_ids"][0, 11] = (changed["input_ids"][0, 11] + 1) % V  # after the anchor's block
     earlier = {**packed, "input_ids": packed["input_ids"].clone()}
@@ -79,10 +85,8 @@ def test_blocks_do_not_see_later_context_or_other_sequences():
 
 def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():
     m = method(block_size=3)
-    ids = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(6))
-    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(10)[None]}
-    outs = []
-    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    ids, bt = random_row(V, 10, 6)
+    outs = recorded_outputs(m.drafter)
     loss, metrics = m.blocks(bt, anchors=torch.tensor([[3, 6]]))
     target = m.target.logits(m.target.tap(ids).hidden)[0]  # [s, V]
     total = 0.0
@@ -97,16 +101,12 @@ def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_greedy_decoding_equals_the_targets_own(arch):
     m = method(tiny(arch), num_layers=1, aux_layers=[1, 2])
-    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(1))
-    spec, stats = speculative_generate(m.target.model, m.proposer(gamma=4), prompt, 24, eos_token_id=[])
-    plain, _ = plain_generate(m.target.model, prompt, 24, eos_token_id=[])
-    assert torch.equal(spec, plain) and stats.new_tokens == 24 and stats.drafted >= 4 * (stats.steps - 4)
+    assert_greedy_matches(m.target.model, m.proposer(gamma=4), V, gamma=4)
 
 
 def test_one_drafter_forward_drafts_the_whole_block():
     m = method(block_size=6)
-    calls = []
-    m.drafter.register_forward_hook(lambda mod, args, out: calls.append(out.shape[1]))
+    calls = forward_widths(m.drafter)
     prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(3))
     _, stats = speculative_generate(m.target.model, m.proposer(), prompt, 20, eos_token_id=[])
     assert calls == [6] * stats.steps  # one forward of the bonus + 5 mask slots per verification step

@@ -39,9 +39,9 @@ from draftsmith.models.medusa import (
     greedy_tree,
     head_losses,
     head_warmup,
+    heldout_accuracy,
     load_medusa,
     masked_kl,
-    heldout_accuracy,
     shifted_mask,
     target_passes,
 )

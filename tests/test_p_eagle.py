@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import conftest as helpers
 import pytest
 import torch
 import transformers as T
-from conftest import chi2_two_tokens, randomise, script, train_steps
 from test_decoding_generate import CONFIGS
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
@@ -33,17 +33,15 @@ def method(arch: str = "llama", K: int = 4, draft_ids=None, vocab: int = V, seed
     model = T.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     torch.manual_seed(seed)
     m = PEagle(Target(model, None, "tiny"), EagleConfig(version=3, ttt_steps=K), draft_ids, ptd_token_id=3)
-    randomise(m.drafter)
+    helpers.randomise(m.drafter)
     return m.eval()
 
 
 def test_training_depth_k_equals_the_proposers_placeholder_k():
     """TTT step k at query t = the proposer's output at placeholder k after committing tokens 0..t+1."""
     m = method(K=4)
-    ids = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(2))
-    bt = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": torch.arange(10)[None]}
-    outs = []
-    m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+    ids, bt = helpers.random_row(V, 10, 2)
+    outs = helpers.recorded_outputs(m.drafter)
     m.ttt(bt)
     _, g = m.features(bt)  # [1, s, 3H]
     for t in (2, 6):
@@ -60,16 +58,12 @@ def test_training_depth_k_equals_the_proposers_placeholder_k():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_greedy_decoding_equals_the_targets_own(arch):
     m = method(arch, layers=2, draft_ids=torch.arange(0, V, 3))
-    prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(1))
-    spec, stats = speculative_generate(m.target.model, m.proposer(gamma=4), prompt, 24, eos_token_id=[])
-    plain, _ = plain_generate(m.target.model, prompt, 24, eos_token_id=[])
-    assert torch.equal(spec, plain) and stats.new_tokens == 24 and stats.drafted >= 4 * (stats.steps - 4)
+    helpers.assert_greedy_matches(m.target.model, m.proposer(gamma=4), V, gamma=4)
 
 
 def test_one_drafter_forward_drafts_the_whole_block():
     m = method(K=5)
-    calls = []
-    m.drafter.register_forward_hook(lambda mod, args, out: calls.append(out.shape[1]))
+    calls = helpers.forward_widths(m.drafter)
     prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(3))
     _, stats = speculative_generate(m.target.model, m.proposer(gamma=5), prompt, 20, eos_token_id=[])
     assert len(calls) == stats.steps  # one forward per verification step: committed entries + 4 placeholders
@@ -86,7 +80,7 @@ def test_a_trained_p_eagle_drafts_the_targets_text():
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8] * 3])
     text, _ = plain_generate(model, prompt, 40, eos_token_id=[])
     bt = {"input_ids": text, "loss_mask": torch.ones_like(text), "position_ids": torch.arange(text.shape[1])[None]}
-    metrics = train_steps(m, m.ttt, bt)
+    metrics = helpers.train_steps(m, m.ttt, bt)
     assert metrics["acc_0"] > 0.9 and metrics["acc_2"] > 0.8  # depth 3 drafts blind to tokens 1..2: harder
     spec, stats = speculative_generate(model, m.proposer(gamma=3), prompt, 40, eos_token_id=[])
     assert torch.equal(spec, text) and stats.tau > 2.5
@@ -96,7 +90,7 @@ def test_sampled_output_has_the_targets_distribution():
     """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
     m = method(vocab=6, layers=2, draft_ids=torch.tensor([0, 2, 3, 5]))
     m.drafter.lm_head.weight.data *= 4  # a peaked q, far from p
-    chi2, critical = chi2_two_tokens(m.target.model, m.proposer(gamma=2))
+    chi2, critical = helpers.chi2_two_tokens(m.target.model, m.proposer(gamma=2))
     assert chi2 < critical
 
 
@@ -124,7 +118,7 @@ def test_config_is_checked():
 
 def test_recipe_trains_measures_tau_and_keeps_a_loadable_best(tiny_chat_target, tmp_path):
     out = tmp_path / "run"
-    script("train/p_eagle.py").main([
+    helpers.script("train/p_eagle.py").main([
         "--config", str(REPO / "recipes/p_eagle/tiny-code.yaml"), f"target.path={tiny_chat_target}",
         f"loop.output_dir={out}", "data.limit=40", "data.max_length=160", "data.cache=false",
         "eval.heldout_examples=12", "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2",

@@ -19,6 +19,7 @@ import draftsmith.data
 import draftsmith.models
 from draftsmith.data.core import ConfigError
 from draftsmith.data.reference import PROMPTS_PATH
+from draftsmith.models.target import TargetConfig
 from draftsmith.recipes import RECIPES
 
 # folders shipped inside the package, so that a recipe's `models/reference-target` or `recipes/...` works anywhere
@@ -92,6 +93,14 @@ class EvalConfig:
         _check(self.heldout_examples >= 0, "eval.heldout_examples", "must be >= 0")
         _check(self.num_prompts >= 0, "eval.num_prompts", "must be >= 0 (0: no decoding at checkpoints)")
         _check(self.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1")
+
+
+@dataclasses.dataclass
+class DrafterRecipe:
+    """The sections every drafter recipe has; each method's Recipe adds `data`, its own section and `eval`."""
+
+    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
 
 
 def check_best_metric(cfg: LoopConfig, produced: list[str], off: str = "") -> None:

@@ -20,7 +20,7 @@ from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator
 from draftsmith.models.dflash import DFlash, DFlashConfig
-from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.eagle import EvalConfig
@@ -28,11 +28,9 @@ from draftsmith.train.loop import Loop, collate
 
 
 @dataclasses.dataclass
-class Recipe:
-    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256, pack=True))
     dflash: DFlashConfig = dataclasses.field(default_factory=DFlashConfig)
-    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # mode chain; gamma = block_size - 1
 
 

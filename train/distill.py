@@ -24,7 +24,7 @@ from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.distill import Distill, DistillConfig, build_draft
-from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
@@ -44,11 +44,9 @@ class EvalConfig(C.EvalConfig):
 
 
 @dataclasses.dataclass
-class Recipe:
-    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256))
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
-    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 

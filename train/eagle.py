@@ -25,7 +25,7 @@ from draftsmith.data.hidden_cache import HiddenCache, collate_features
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
 from draftsmith.models.eagle import Eagle, EagleConfig, aux_layers, draft_vocab
-from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
@@ -58,12 +58,10 @@ class EvalConfig(C.EvalConfig):
 
 
 @dataclasses.dataclass
-class Recipe:
-    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256, pack=True))
     offline: OfflineConfig = dataclasses.field(default_factory=OfflineConfig)
     eagle: EagleConfig = dataclasses.field(default_factory=EagleConfig)
-    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 

@@ -22,7 +22,7 @@ from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
-from draftsmith.models.target import TargetConfig, load_target, target_fields
+from draftsmith.models.target import load_target, target_fields
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
@@ -43,11 +43,9 @@ class EvalConfig(C.EvalConfig):
 
 
 @dataclasses.dataclass
-class Recipe:
-    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=512, pack=True))
     layerskip: LayerSkipConfig = dataclasses.field(default_factory=LayerSkipConfig)
-    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 

@@ -30,7 +30,7 @@ from draftsmith.models.medusa import (
     target_passes,
     verifier_model,
 )
-from draftsmith.models.target import TargetConfig, load_target
+from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
@@ -58,11 +58,9 @@ class EvalConfig(C.EvalConfig):
 
 
 @dataclasses.dataclass
-class Recipe:
-    target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=_data_default)
     medusa: MedusaConfig = dataclasses.field(default_factory=MedusaConfig)
-    loop: C.LoopConfig = dataclasses.field(default_factory=C.LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 

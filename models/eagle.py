@@ -13,7 +13,8 @@ and the proposer, and differ in what goes in and comes out:
               target's head rows picked by t2d (frozen or trained; speculators), or random (SpecForge)
               L = sum_k decay^k D(p_k, q_k), p_k = softmax(target logits restricted to the draft vocab),
               D = forward KL (soft CE; EAGLE) or total variation (1 - TV(p, q) is the T=1 acceptance
-              probability, DistillSpec)
+              probability, DistillSpec); optionally + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's
+              feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3)
 
 f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
 indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
@@ -77,7 +78,7 @@ class EagleConfig:
     ttt_steps: int = 7  # training-time-test steps K
     decay: float = 0.8  # step k weighs decay^k
     feature_noise: float = 0.0  # uniform noise on input features, (U - 0.5) * noise * 512 / seq_len (EAGLE-1: 0.2)
-    feature_weight: float = 1.0  # EAGLE-1 SmoothL1 weight
+    feature_weight: float | None = None  # SmoothL1 on the target's next features; None: 1.0 (EAGLE-1), 0.0 (EAGLE-3)
     token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
@@ -99,11 +100,14 @@ class EagleConfig:
             (self.loss in ("kl", "tv"), "loss", "must be kl (forward KL) or tv (total variation)"),
             (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
             (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
-            (self.version == 3 or self.feature_weight > 0 or self.token_weight > 0, "feature_weight",
+            (self.feature_weight is None or self.feature_weight >= 0, "feature_weight", "must be >= 0"),
+            (self.version == 3 or self.feature_weight != 0 or self.token_weight > 0, "feature_weight",
              "EAGLE-1 needs a positive feature_weight or token_weight"),
         ]:
             if not ok:
                 raise ConfigError(f"eagle.{key}: {why}")
+        if self.feature_weight is None:
+            self.feature_weight = 1.0 if self.version == 1 else 0.0
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -359,8 +363,11 @@ class Eagle(nn.Module):
             if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
                 step_loss = masked_mean(div, valid & d.t2d[target_next])
             else:
-                l1 = F.smooth_l1_loss(out, shift(f, j), reduction="none").mean(-1)  # [b, s]
-                step_loss = masked_mean(cfg.feature_weight * l1 + cfg.token_weight * div, valid)
+                step_loss = cfg.token_weight * masked_mean(div, valid)
+            if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
+                read = out if cfg.version == 1 else d.norm(out)  # [b, s, H]
+                l1 = F.smooth_l1_loss(read, shift(f, j), reduction="none").mean(-1)  # [b, s]
+                step_loss = step_loss + cfg.feature_weight * masked_mean(l1, valid)
             total = total + cfg.decay ** k * step_loss
             ok = d.draft_ids[top] == target_next  # [b, s]
             metrics[f"loss_{k}"] = step_loss.item()

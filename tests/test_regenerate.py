@@ -99,6 +99,24 @@ def test_resume_after_a_partial_file(target, tmp_path):
     assert out.read_text() == before
 
 
+def test_several_temperatures_answer_each_conversation_once_per_temperature(target, tmp_path):
+    """--temperature 0 1: the greedy answers of every conversation, then the sampled ones (the same samples as a run
+    at temperature 1 alone with the same seed), ids ID-T0 / ID-T1; a rerun resumes where the file ends."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    greedy = run(target, data, tmp_path / "greedy.jsonl")
+    sampled = run(target, data, tmp_path / "sampled.jsonl", "--temperature", "1", "--seed", "3")
+    out = tmp_path / "both.jsonl"
+    both = run(target, data, out, "--temperature", "0", "1", "--seed", "3")
+    assert [r["id"] for r in both] == [f"{r['id']}-T0" for r in ROWS] + [f"{r['id']}-T1" for r in ROWS]
+    assert [r["temperature"] for r in both] == [0.0] * len(ROWS) + [1.0] * len(ROWS)
+    assert [r["messages"] for r in both] == [r["messages"] for r in greedy + sampled]
+    assert greedy != sampled
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[: len(ROWS) + 1]))  # cut after the first sampled row
+    assert [r["id"] for r in run(target, data, out, "--temperature", "0", "1")] == [r["id"] for r in both]
+
+
 def test_sampling_and_bad_input(target, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))

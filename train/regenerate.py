@@ -1,6 +1,6 @@
 """Rewrite every assistant turn of a chat dataset with the target itself (self-distillation).
 
-    draftsmith regenerate --target DIR --data PATH --out OUT.jsonl [--temperature T]
+    draftsmith regenerate --target DIR --data PATH --out OUT.jsonl [--temperature T [T ...]]
         [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S]
 
 A drafter learns to predict the target, so it should train on the target's own answers: the
@@ -10,6 +10,9 @@ rendered with the target's chat template and its generation prompt; a conversati
 with a user turn gets one more, generated assistant turn, so a file of prompts works too.
 
 Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled).
+Several temperatures answer every conversation once per temperature, one temperature after the other
+(`--temperature 0 1`: the states both greedy and sampled decoding visit), each row then with id
+`ID-T<t>` and its `temperature`.
 The output is JSONL of `{"id": ..., "messages": [...]}` (plus the input's other fields), written
 and flushed per batch; rerunning with the same --out skips the ids already there, so an
 interrupted run resumes. `id` is the input's `id` field, or the row number.
@@ -121,14 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", required=True, help="jsonl/json/parquet/arrow file, saved dataset or hub name")
     parser.add_argument("--out", required=True, help="JSONL to write (appended to when resuming)")
     parser.add_argument("--split", default="train")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                        help="0: greedy; several: one answer per conversation and temperature")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--limit", type=int, default=0, help="first K conversations only; 0: all")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.target = resolve_target(args.target)
-    if args.temperature < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
+    if min(args.temperature) < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
         parser.error("--temperature must be >= 0, --batch-size and --max-new-tokens >= 1")
     if not (Path(args.target) / "config.json").is_file():
         parser.error(f"--target {args.target} is not a model directory (no config.json)")
@@ -146,26 +150,33 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
-    rows = [r for r in conversations(args.data, args.split, args.limit) if str(r["id"]) not in done]
-    log.info("regenerate: %d conversations to do, %d already in %s", len(rows), len(done), out)
-    check_free(out.parent, output_bytes(rows, args.max_new_tokens), f"{out} ({len(rows)} conversations)",
-               "free space or write --out elsewhere; rows already written are kept and skipped when rerun")
-    t0 = time.perf_counter()
-    with open(out, "a") as fh:
-        for b in range(0, len(rows), args.batch_size):
-            try:
-                for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], args.temperature,
-                                            args.max_new_tokens):
-                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-                fh.flush()
-            except OSError as e:
-                if not is_disk_full(e):
-                    raise
-                raise DiskFull(f"the disk filled up writing {out} after {b} of {len(rows)} conversations; free "
-                               "space and rerun the same command (the complete rows are kept)") from e
-            log.info("regenerate: %d/%d conversations, %.1fs", min(b + args.batch_size, len(rows)), len(rows),
-                     time.perf_counter() - t0)
+    convs, several = conversations(args.data, args.split, args.limit), len(args.temperature) > 1
 
+    def tagged(row: dict, t: float) -> dict:  # one row per conversation and temperature when there are several
+        return {**row, "id": f"{row['id']}-T{t:g}", "temperature": t} if several else row
+    jobs = [(t, [r for r in (tagged(c, t) for c in convs) if str(r["id"]) not in done]) for t in args.temperature]
+    total = sum(len(rows) for _, rows in jobs)
+    log.info("regenerate: %d conversations to do, %d already in %s", total, len(done), out)
+    check_free(out.parent, output_bytes([r for _, rows in jobs for r in rows], args.max_new_tokens),
+               f"{out} ({total} conversations)",
+               "free space or write --out elsewhere; rows already written are kept and skipped when rerun")
+    t0, written = time.perf_counter(), 0
+    with open(out, "a") as fh:
+        for temperature, rows in jobs:
+            for b in range(0, len(rows), args.batch_size):
+                try:
+                    for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], temperature,
+                                                args.max_new_tokens):
+                        fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    fh.flush()
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    raise DiskFull(f"the disk filled up writing {out} after {written} of {total} conversations; "
+                                   "free space and rerun the same command (the complete rows are kept)") from e
+                written += len(rows[b: b + args.batch_size])
+                log.info("regenerate: %d/%d conversations (temperature %g), %.1fs", written, total, temperature,
+                         time.perf_counter() - t0)
 
 if __name__ == "__main__":
     cli(main)

@@ -1,13 +1,16 @@
 """EAGLE-3 ablation: head initialisation, fc_norm, training-time-test schedule and loss, beside EAGLE-1, all trained on
 the same data for the same wall-clock budget; and EAGLE-3's peak training memory per token on a 262k vocabulary.
 
-    python scripts/bench_eagle3_ablation.py [--budget-minutes 3.5] [--variants NAME ...] [--num-prompts 8]
-        [--max-new-tokens 64] [--runs-dir runs/eagle3_ablation] [--memory] [--out benchmarks/eagle3_ablation.json]
+    python scripts/bench_eagle3_ablation.py [--budget-minutes 3.5] [--variants NAME ...] [--concurrent N]
+        [--num-prompts 8] [--max-new-tokens 64] [--runs-dir runs/eagle3_ablation] [--memory]
+        [--out benchmarks/eagle3_ablation.json]
 
 Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides, trained by
 scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
 lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
-end (its drafter is what is measured). Each drafter then decodes the same held-out prompts as a chain
+end (its drafter is what is measured). With `--concurrent N`, N variants train at once with one thread each,
+so that the variants of a group share the cores equally for the same wall-clock budget (N = 4 on 2 cores and a
+14-minute budget give each about the compute of 3.5 minutes alone). Each drafter then decodes the same held-out prompts as a chain
 (gamma 5) and as an EAGLE-2 tree (the leaderboard's CPU tree: top_k 8, depth 5, 24 nodes) at
 temperature 0 (output checked token by token against the target's greedy `generate`) and at temperature
 1 (exact verification), one seed per prompt. Resumable: a variant whose run holds a drafter is not
@@ -29,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -61,12 +65,12 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def train_variant(name: str, run: Path, budget: float) -> dict:
+def train_variant(name: str, run: Path, budget: float, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):
-        wall = bench.train(bench.BY_KEY[key], run, budget, str(REFERENCE_TARGET), overrides + COMMON)
+        wall = bench.train(bench.BY_KEY[key], run, budget, str(REFERENCE_TARGET), overrides + COMMON, threads)
     record = bench.training_record(run, find_drafter(run), "eval/tau")
     return {"method": key, "overrides": overrides, "steps": record["steps"], "train_seconds": record["train_seconds"],
             "wall_seconds_with_evaluation": wall, "load_average_1min_at_start": load if wall else None}
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-minutes", type=float, default=3.5)
     parser.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS),
                         help="none: only --memory")
+    parser.add_argument("--concurrent", type=int, default=1,
+                        help="train this many variants at once, one thread each, so that each of a group gets the "
+                             "same share of the cores for the same wall-clock budget")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "eagle3_ablation")
@@ -170,23 +177,28 @@ def main(argv: list[str] | None = None) -> dict:
         "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS,
         "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
-        "hardware": f"CPU, {os.cpu_count()} cores shared with other jobs (training: torch's default threads; "
-                    "decoding: 1 thread); steps per variant show what the contention left each one"}
+        "concurrent": args.concurrent,
+        "hardware": f"CPU, {os.cpu_count()} cores (training: " + (
+            f"{args.concurrent} variants at once, one thread each" if args.concurrent > 1 else "torch's default threads")
+        + "; decoding: 1 thread); the load average at each variant's start is recorded with it"}
     torch.set_num_threads(1)
     target = load_target()
     prompts = render_prompts(target.tokenizer, load_prompts(PROMPTS_PATH, args.num_prompts))
     baselines: dict = {}
-    for name in args.variants:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrent) as pool:  # groups of --concurrent start together and end together
+        trained = list(pool.map(lambda name: train_variant(name, args.runs_dir / name, args.budget_minutes,
+                                                           1 if args.concurrent > 1 else None), args.variants))
+    for name, entry in zip(args.variants, trained, strict=True):
         run = args.runs_dir / name
         print(f"[{name}] {VARIANTS[name]}", flush=True)
-        start = time.perf_counter()
-        entry = train_variant(name, run, args.budget_minutes)
+        entry["concurrent"] = args.concurrent
         old = board["variants"].get(name, {})
         if old.get("steps") == entry["steps"] and old.get("run") == str(run) and "chain" in old:
             print(f"  measured before ({entry['steps']} steps)", flush=True)
             continue
         entry.update(run=str(run), **decode(run, target, prompts, args.max_new_tokens, baselines))
-        entry["seconds"] = round(time.perf_counter() - start, 1)
+        entry["seconds_since_start"] = round(time.perf_counter() - start, 1)
         board["variants"][name] = entry
         save(board, args.out)
     if args.memory:

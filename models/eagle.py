@@ -302,37 +302,51 @@ class Eagle(nn.Module):
         return zip(*(x.split(n, 1) for x in xs), strict=True)
 
     @torch.no_grad()
-    def teacher(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """f [b, s, H] -> (p [b, s, Vd] the target's softmax over the draft vocabulary, greedy [b, s] its argmax over
-        the whole vocabulary); full-vocabulary logits [b, chunk, V] exist for one chunk at a time."""
-        ps, greedy = [], []
+    def teacher(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """f [b, s, H] -> (p [b, s, Vd] the target's softmax renormalised over the draft vocabulary, mass [b, s] the
+        target's probability on the draft vocabulary, greedy [b, s] its argmax over the whole vocabulary);
+        full-vocabulary logits [b, chunk, V] exist for one chunk at a time."""
+        ps, masses, greedy = [], [], []
         for (x,) in self.chunks(f):
             logits = self.target.logits(x.to(self.target.lm_head.weight.dtype)).float()  # [b, c, V]
             greedy.append(logits.argmax(-1))
-            ps.append(F.softmax(logits[..., self.drafter.draft_ids] if self.cfg.version == 3 else logits, -1))
-        return torch.cat(ps, 1), torch.cat(greedy, 1)
+            if self.cfg.version == 3:
+                log_z = logits.logsumexp(-1)  # [b, c]
+                logits = logits[..., self.drafter.draft_ids]  # [b, c, Vd]
+                masses.append((logits.logsumexp(-1) - log_z).exp())
+            else:
+                masses.append(logits.new_ones(logits.shape[:-1]))
+            ps.append(F.softmax(logits, -1))
+        return torch.cat(ps, 1), torch.cat(masses, 1), torch.cat(greedy, 1)
 
-    def divergence(self, out: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [b, c, H], p [b, c, Vd] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids), q the drafter's
-        softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q| = 1 - sum min(p, q)."""
+    def divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """out [b, c, H], p [b, c, Vd], mass [b, c] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids,
+        accept [b, c]), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
+        = 1 - sum min(p, q). accept = sum_v min(mass p_v, q_v): the probability that exact verification at
+        temperature 1 accepts a token drawn from q, against the target's whole-vocabulary distribution."""
         log_q = F.log_softmax(self.drafter.logits(out, self.target.lm_head).float(), -1)  # [b, c, Vd]
+        with torch.no_grad():
+            accept = torch.minimum(p * mass[..., None], log_q.exp()).sum(-1)
         if self.cfg.loss == "tv":
-            return 0.5 * (p - log_q.exp()).abs().sum(-1), log_q.argmax(-1)
-        return -(p * log_q).sum(-1), log_q.argmax(-1)
+            return 0.5 * (p - log_q.exp()).abs().sum(-1), log_q.argmax(-1), accept
+        return -(p * log_q).sum(-1), log_q.argmax(-1), accept
 
-    def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`divergence` over chunks of positions, each recomputed in the backward (activation checkpointing), so
         that draft logits [b, chunk, Vd] exist for one chunk at a time."""
         recompute = self.cfg.logit_chunk and torch.is_grad_enabled()
-        parts = [checkpoint(self.divergence, o, q, use_reentrant=False) if recompute else self.divergence(o, q)
-                 for o, q in self.chunks(out, p)]
-        return torch.cat([d for d, _ in parts], 1), torch.cat([top for _, top in parts], 1)
+        parts = [checkpoint(self.divergence, o, q, m, use_reentrant=False) if recompute else self.divergence(o, q, m)
+                 for o, q, m in self.chunks(out, p, mass)]
+        return tuple(torch.cat(x, 1) for x in zip(*parts, strict=True))
 
     def ttt(self, batch: dict, steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The training-time test unrolled `steps` times (default: `ttt_length()` in training, eagle.ttt_steps in
         evaluation, which may unroll further than training did); returns the weighted loss and per-step metrics:
         loss_k, acc_k (draft top-1 = target top-1) and cond_acc_k, the acceptance decoding sees: the
-        same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens."""
+        same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens; and
+        accept_k, the expected acceptance at temperature 1 of step k along the row (`divergence`)."""
         cfg, d = self.cfg, self.drafter
         ids = batch["input_ids"]  # [b, s]
         b, s = ids.shape
@@ -342,7 +356,7 @@ class Eagle(nn.Module):
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
-        target_p, greedy = self.teacher(f)  # [b, s, Vd], [b, s] the target's next token at each position
+        target_p, mass, greedy = self.teacher(f)  # [b, s, Vd], [b, s], [b, s] the target's next token
         with torch.no_grad():
             emb = self.target.embed(ids).float()  # [b, s, H]
         if self.training and cfg.feature_noise:
@@ -359,7 +373,7 @@ class Eagle(nn.Module):
             out = d(*self.step_input(k, shift(emb, j), h), pos + k, mask, cache)  # [b, s, H]
             valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
             target_next = shift(greedy, j)  # [b, s]
-            div, top = self.chunked_divergence(out, shift(target_p, j))  # [b, s], [b, s]
+            div, top, accept = self.chunked_divergence(out, shift(target_p, j), shift(mass, j))  # [b, s] each
             if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
                 step_loss = masked_mean(div, valid & d.t2d[target_next])
             else:
@@ -373,6 +387,7 @@ class Eagle(nn.Module):
             metrics[f"loss_{k}"] = step_loss.item()
             metrics[f"acc_{k}"] = masked_mean(ok.float(), valid).item()
             metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), valid & on_path).item()
+            metrics[f"accept_{k}"] = masked_mean(accept, valid).item()
             on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics

@@ -166,6 +166,29 @@ def test_eagle3_tv_loss_is_the_total_variation_on_the_draft_vocab():
     assert 0 < want < 1 and not torch.allclose(kl.ttt(bt)[0], want)
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_accept_is_the_temperature_1_acceptance_against_the_whole_vocabulary(version):
+    """accept_0 = mean over valid positions of sum_v min(p_v, q_v), p the target's softmax over its whole vocabulary
+    (not renormalised to the draft vocabulary), q the drafter's; EAGLE-1 (q over the whole vocabulary): 1 - TV."""
+    target = tiny_target()
+    bt = batch(b=1, s=8)
+    m = method(version, ttt_steps=1, draft_ids=torch.arange(0, V, 2), target=target)
+    f, g = m.features(bt)
+    p = torch.softmax(target.logits(f)[0], -1)  # [s, V]
+    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    out = m.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)
+    q = torch.softmax(m.drafter.logits(out, target.lm_head)[0], -1)  # [7, Vd]
+    ids = m.drafter.draft_ids
+    want = sum(torch.minimum(p[t + 1][ids], q[t]).sum() for t in range(6)) / 6
+    if version == 1:
+        torch.testing.assert_close(want, 1 - 0.5 * sum((p[t + 1] - q[t]).abs().sum() for t in range(6)) / 6)
+    else:  # bounded by the draft vocabulary's mass, unlike the same against p renormalised to the draft vocabulary
+        assert want <= sum(p[t + 1][ids].sum() for t in range(6)) / 6 + 1e-6
+        renormalised = sum(torch.minimum(torch.softmax(p[t + 1][ids].log(), -1), q[t]).sum() for t in range(6)) / 6
+        assert renormalised > want + 0.2
+    assert m.ttt(bt)[1]["accept_0"] == pytest.approx(want.item(), abs=1e-5)
+
+
 @pytest.mark.parametrize("head_init", ["frozen", "trainable", "random"])
 def test_eagle3_head_starts_from_the_targets_rows_picked_by_t2d(head_init):
     """frozen / trainable: lm_head row i is the target's head row of draft token i (t2d); frozen gets no gradient.

@@ -67,15 +67,17 @@ class Recipe(C.DrafterRecipe):
 
 def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int = 8) -> dict[str, float]:
     """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches) for `steps` unrolled
-    steps (the chain length, also beyond the steps trained), and `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
-    the chain's tau they predict."""
+    steps (the chain length, also beyond the steps trained), `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
+    the greedy chain's tau they predict, and `expected_tau_t1` the same from accept_k, the chain's at temperature 1."""
     device = method.drafter.fc.weight.device
     per_batch = [method.ttt({k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}, steps)[1]
                  for i in range(0, len(rows), batch_size)]
     means = {k: sum(m[k] for m in per_batch) / len(per_batch) for k in per_batch[0]}
-    cond = torch.tensor([means[f"cond_acc_{k}"] for k in range(steps)])  # [steps]
-    tau = 1 + float(cond.cumprod(0).sum())
-    return {**{f"heldout_{k}": v for k, v in means.items()}, "expected_tau": tau}
+
+    def tau(name: str) -> float:
+        return 1 + float(torch.tensor([means[f"{name}_{k}"] for k in range(steps)]).cumprod(0).sum())
+    return {**{f"heldout_{k}": v for k, v in means.items()}, "expected_tau": tau("cond_acc"),
+            "expected_tau_t1": tau("accept")}
 
 
 def offline_rows(cfg: Recipe, target) -> HiddenCache:
@@ -92,7 +94,8 @@ def offline_rows(cfg: Recipe, target) -> HiddenCache:
 def metric_names(cfg: Recipe) -> list[str]:
     """The metrics the checkpoint evaluation logs under this recipe (loop.best_metric must be one)."""
     e = cfg.eval
-    names = [f"heldout_{m}_{k}" for k in range(e.gamma) for m in ("loss", "acc", "cond_acc")] + ["expected_tau"]
+    names = [f"heldout_{m}_{k}" for k in range(e.gamma) for m in ("loss", "acc", "cond_acc", "accept")] + \
+        ["expected_tau", "expected_tau_t1"]
     if e.num_prompts:
         names += decode_metric_names((0.0,), e.gamma if e.mode == "chain" else e.depth)
     return names + ["eval_seconds"]

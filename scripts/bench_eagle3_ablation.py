@@ -16,6 +16,12 @@ temperature 0 (output checked token by token against the target's greedy `genera
 1 (exact verification), one seed per prompt. Resumable: a variant whose run holds a drafter is not
 retrained, and one already measured in `--out` with the same run and steps is not re-evaluated.
 
+`--screen` measures instead, without decoding, each drafter's expected acceptance on `--heldout-rows` held-out rows of
+the reference data: per draft step k, acc_k (draft top-1 = target top-1) and accept_k (sum_v min(p_v, q_v) over the
+target's whole vocabulary: what exact verification at temperature 1 accepts), and the chain tau they predict
+(`expected_tau`, `expected_tau_t1`: 1 + sum_k prod_{i<=k}), into the file's `screen` section; a cheap way to rank many
+variants trained one after another on quiet cores before decoding the few that matter.
+
 `--memory-target NAME` measures the same step on a real target (gemma3-270m: its 262,144-token vocabulary) with
 draft vocabularies 2048 and 32000. `--memory` measures one EAGLE-3 training step (forward and backward, ttt_steps 5, draft vocabulary 32000) on a
 random Gemma-3-shaped target (hidden 640, 4 layers, tied embeddings, vocabulary 32768 and 262144) with
@@ -38,14 +44,19 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.core import find_drafter, has_drafter
+from draftsmith.data.dataset import DataConfig, heldout_rows
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
+from draftsmith.models.eagle import load_eagle
 from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import bench
+from draftsmith.train.eagle import heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
+STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
+BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
 VARIANTS = {
     "eagle1": ("eagle1", []),
@@ -58,7 +69,30 @@ VARIANTS = {
     "e3_frozen_ttt3": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_steps=3"]),
     "e3_default": ("eagle3", []),  # recipes/eagle3/tiny-code.yaml as shipped, set from the variants above
     "eagle1_rep": ("eagle1", []),  # EAGLE-1 again, same seed: what contention alone changes
+    # screened (--screen), first one factor at a time from the recipe of stop 22 (STOP22), then combined
+    "e3_stop22": ("eagle3", STOP22),
+    "e3_ramp_0.5": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5"]),
+    "e3_ramp_1": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0"]),
+    "e3_decay_0.5": ("eagle3", STOP22 + ["eagle.decay=0.5"]),
+    "e3_layers_247": ("eagle3", STOP22 + ["eagle.aux_layers=[2,4,7]"]),
+    "e3_feature_weight": ("eagle3", STOP22 + ["eagle.feature_weight=1.0"]),
+    "e3_ramp_0.5_lr_2e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "loop.lr=2e-3"]),
+    "e3_ramp_0.5_layers_247": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "eagle.aux_layers=[2,4,7]"]),
+    "e3_ramp_0.5_batch_4": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "loop.batch_size=4"]),
+    "e3_ramp_0.5_ttt_3": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "eagle.ttt_steps=3"]),
+    "e3_ramp_1_batch_4": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.batch_size=4"]),
+    "e3_ramp_1_lr_2e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.lr=2e-3"]),
+    "e3_ramp_1_batch_4_lr_2e-3": ("eagle3", STOP22 + BEST),
+    "e3_ramp_1_batch_4_lr_3e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=3e-3"]),
+    "e3_best_vocab_8192": ("eagle3", STOP22 + BEST + ["eagle.draft_vocab_size=8192"]),
+    "e3_best_tv": ("eagle3", STOP22 + BEST + ["eagle.loss=tv"]),
+    "e3_best_fc_norm": ("eagle3", STOP22 + BEST + ["eagle.fc_norm=true"]),
+    "e3_best_layers_247": ("eagle3", STOP22 + BEST + ["eagle.aux_layers=[2,4,7]"]),
+    "eagle1_stop22": ("eagle1", ["loop.batch_size=8", "loop.lr=1e-3"]),  # EAGLE-1's recipe of stop 22
+    "eagle1_batch_4": ("eagle1", ["loop.batch_size=4", "loop.lr=1e-3"]),
+    "eagle1_batch_4_lr_2e-3": ("eagle1", ["loop.batch_size=4", "loop.lr=2e-3"]),
 }
+SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
 COMMON = ["loop.save_every=1000000", "eval.heldout_examples=16", "eval.num_prompts=2"]
 DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top_k=8, depth=5, total_tokens=24)}
@@ -87,6 +121,16 @@ def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> 
                      for t in r["by_temperature"]}
         out[mode]["T0"]["greedy_matches_target"] = r["by_temperature"]["0"]["greedy_matches_target"]
         print(f"  {mode}: tau T=0 {out[mode]['T0']['tau']:.3f}, T=1 {out[mode]['T1']['tau']:.3f}", flush=True)
+    return out
+
+
+def screen(run: Path, target, rows: list[dict]) -> dict:
+    """The drafter's held-out per-step top-1 agreement and temperature-1 acceptance, and the chain tau they predict."""
+    with torch.no_grad():
+        m = heldout_metrics(load_eagle(find_drafter(run), target).eval(), rows, SCREEN_STEPS)
+    out = {"expected_tau": round(m["expected_tau"], 4), "expected_tau_t1": round(m["expected_tau_t1"], 4),
+           **{name: [round(m[f"heldout_{name}_{k}"], 4) for k in range(SCREEN_STEPS)] for name in ("acc", "accept")}}
+    print(f"  expected tau T=0 {out['expected_tau']:.3f}, T=1 {out['expected_tau_t1']:.3f}", flush=True)
     return out
 
 
@@ -164,18 +208,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "eagle3_ablation")
+    parser.add_argument("--screen", action="store_true",
+                        help="record held-out expected acceptance (no decoding) in the `screen` section")
+    parser.add_argument("--heldout-rows", type=int, default=32, help="--screen: held-out rows of the reference data")
     parser.add_argument("--memory", action="store_true", help="also measure peak training memory per token")
     parser.add_argument("--memory-target", default="", help="also measure it on this real target (e.g. gemma3-270m)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "eagle3_ablation.json")
     args = parser.parse_args(argv)
     board = json.loads(args.out.read_text()) if args.out.is_file() else {}
     board.setdefault("variants", {})
+    section = "screen" if args.screen else "variants"
     command = " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])])
-    board["settings" if args.variants else "memory_settings"] = board.get(
-        "settings" if args.variants else "memory_settings") if not (args.variants or args.memory) else {
+    key = "screen_settings" if args.screen else "settings" if args.variants else "memory_settings"
+    board[key] = board.get(key) if not (args.variants or args.memory) else {
         "command": command,
         "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
-        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS,
+        **({"heldout_rows": args.heldout_rows, "steps": SCREEN_STEPS} if args.screen else
+           {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS}),
         "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
         "concurrent": args.concurrent,
         "hardware": f"CPU, {os.cpu_count()} cores (training: " + (
@@ -184,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     target = load_target()
     prompts = render_prompts(target.tokenizer, load_prompts(PROMPTS_PATH, args.num_prompts))
+    rows = heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout_rows) if args.screen else []
     baselines: dict = {}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrent) as pool:  # groups of --concurrent start together and end together
@@ -193,20 +243,21 @@ def main(argv: list[str] | None = None) -> dict:
         run = args.runs_dir / name
         print(f"[{name}] {VARIANTS[name]}", flush=True)
         entry["concurrent"] = args.concurrent
-        old = board["variants"].get(name, {})
-        if old.get("steps") == entry["steps"] and old.get("run") == str(run) and "chain" in old:
+        old = board.get(section, {}).get(name, {})
+        if old.get("steps") == entry["steps"] and old.get("run") == str(run):
             print(f"  measured before ({entry['steps']} steps)", flush=True)
             continue
-        entry.update(run=str(run), **decode(run, target, prompts, args.max_new_tokens, baselines))
+        entry.update(run=str(run), **(screen(run, target, rows) if args.screen else
+                                      decode(run, target, prompts, args.max_new_tokens, baselines)))
         entry["seconds_since_start"] = round(time.perf_counter() - start, 1)
-        board["variants"][name] = entry
+        board.setdefault(section, {})[name] = entry
         save(board, args.out)
     if args.memory:
         board["memory"] = memory()
     if args.memory_target:
         board.setdefault("memory_real", {})[args.memory_target] = {**memory_real(args.memory_target), "command": command}
     save(board, args.out)
-    print(table(board))
+    print(screen_table(board) if args.screen else table(board))
     print(f"wrote {args.out}")
     return board
 
@@ -221,10 +272,22 @@ def table(board: dict) -> str:
     return "\n".join(lines)
 
 
+def screen_table(board: dict) -> str:
+    """The screened variants as a Markdown table (the README's)."""
+    lines = ["| variant | overrides | steps | accept_k (T=1), k = 0..4 | acc_k (T=0) | expected tau T=0 | T=1 |",
+             "|---|---|---|---|---|---|---|"]
+    for name, v in board["screen"].items():
+        lines.append(f"| {name} | {' '.join(v['overrides']) or v['method'] + ' recipe'} | {v['steps']} | "
+                     f"{' '.join(f'{a:.2f}' for a in v['accept'])} | {' '.join(f'{a:.2f}' for a in v['acc'])} | "
+                     f"{v['expected_tau']:.2f} | {v['expected_tau_t1']:.2f} |")
+    return "\n".join(lines)
+
+
 def save(board: dict, out: Path) -> None:
     """Write `board` over `out`, keeping the variants (and memory figures) another run of this script wrote there."""
     disk = json.loads(out.read_text()) if out.is_file() else {}
-    board["variants"] = {**disk.get("variants", {}), **board["variants"]}
+    for section in ("variants", "screen"):
+        board[section] = {**disk.get(section, {}), **board.get(section, {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**disk, **board}, indent=1) + "\n")
 

@@ -82,9 +82,9 @@ def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, co
     return done
 
 
-def losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
+def losses(run: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if key in r}
 
 
 def evals(run: Path) -> dict[int, dict]:
@@ -129,7 +129,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(recipe, pair
     one, two = pairs(recipe)
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    assert a[4] < a[1], "the tiny run must actually train"
+    first = losses(one, "loss_0") or a  # EAGLE's first unrolled step: its ttt_ramp unrolls more steps as it trains
+    assert first[4] < first[1], "the tiny run must actually train"
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
     assert_close(weights(one, 4), weights(two, 4))

@@ -326,11 +326,10 @@ class Eagle(nn.Module):
         = 1 - sum min(p, q). accept = sum_v min(mass p_v, q_v): the probability that exact verification at
         temperature 1 accepts a token drawn from q, against the target's whole-vocabulary distribution."""
         log_q = F.log_softmax(self.drafter.logits(out, self.target.lm_head).float(), -1)  # [b, c, Vd]
-        with torch.no_grad():
-            accept = torch.minimum(p * mass[..., None], log_q.exp()).sum(-1)
-        if self.cfg.loss == "tv":
-            return 0.5 * (p - log_q.exp()).abs().sum(-1), log_q.argmax(-1), accept
-        return -(p * log_q).sum(-1), log_q.argmax(-1), accept
+        q = log_q.exp()
+        accept = torch.minimum(p * mass[..., None], q.detach()).sum(-1)
+        d = 0.5 * (p - q).abs().sum(-1) if self.cfg.loss == "tv" else -(p * log_q).sum(-1)
+        return d, log_q.argmax(-1), accept
 
     def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

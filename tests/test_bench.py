@@ -100,6 +100,25 @@ def test_every_method_is_lossless_and_the_outputs_are_written(first_run):
         assert (out / "first" / f"leaderboard_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_real_target_rows_keep_budget_tokens_tau_and_both_speedups_per_method(first_run):
+    out, _, board = first_run
+    rows = bench().real_target_rows(board)
+    medusa, ngram = rows["methods"]["medusa1"], rows["methods"]["ngram"]
+    t = board["methods"]["medusa1"]["training"]
+    assert medusa["budget_minutes"] == 0.005 and medusa["steps"] == t["steps"] > 0
+    assert medusa["tokens_seen"] == t["steps"] * 2 * 128  # steps x batch 2 x packed rows of 128
+    table = (out / "first" / "leaderboard.md").read_text()
+    assert f"| {t['steps']} steps ({t['steps'] * 256 / 1e3:.0f}k tokens), " in table
+    chain = medusa["variants"]["chain"]
+    assert chain["T=0"]["greedy_matches_target"] is True and chain["T=1"]["greedy_matches_target"] is None
+    assert chain["T=0"]["tau"] == board["methods"]["medusa1"]["variants"]["chain"]["by_temperature"]["0"]["tau"]
+    model = board["methods"]["medusa1"]["variants"]["chain"]["speedup_model"]
+    assert chain["speedup_model"]["predicted_speedup"] == model["predicted_speedup"]
+    assert chain["speedup_model"]["measured_speedup"] == chain["T=0"]["speedup"]
+    assert ngram["steps"] is None and ngram["tokens_seen"] is None and set(ngram["variants"]) == {"chain"}
+    assert rows["budget_minutes"] == 0.005 and rows["num_prompts"] == 2
+
+
 def test_reuse_reevaluates_without_training_and_gives_the_same_greedy_numbers(first_run):
     out, args, first = first_run
     again = bench().main([*args, "--reuse", "--out", str(out / "again" / "leaderboard.json")])

@@ -168,18 +168,37 @@ def train(method: Method, run: Path, budget_minutes: float, target: str, overrid
 
 def training_record(run: Path, drafter_dir: Path, curve: str) -> dict:
     """What the run recorded: steps and training seconds of its last checkpoint, the best step, tau by step."""
-    ckpts = [c / "state.json" for c in checkpoints(run) if (c / "state.json").is_file()]
-    state = json.loads(ckpts[-1].read_text()) if ckpts else {}
+    state, config = last_state(run), run_config(run)
     best = best_record(drafter_dir)
     key = curve.format(**read_drafter_meta(drafter_dir))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").is_file() else []
-    config = run / "config.yaml"
     return {"run": str(run), "drafter": str(drafter_dir), "steps": state.get("step"),
             "train_seconds": state.get("train_seconds"),  # absent in runs older than loop.max_minutes
+            "tokens_seen": tokens_seen(config, state),
             "best_step": best.get("step"),
-            "max_minutes": yaml.safe_load(config.read_text())["loop"].get("max_minutes") if config.is_file() else None,
+            "max_minutes": config["loop"].get("max_minutes") if config else None,
             "curve_metric": key, "curve": [[r["step"], r[key]] for r in rows if key in r]}
+
+
+def last_state(run: Path) -> dict:
+    """The loop state of the run's last checkpoint ({} without one)."""
+    ckpts = [c / "state.json" for c in checkpoints(run) if (c / "state.json").is_file()]
+    return json.loads(ckpts[-1].read_text()) if ckpts else {}
+
+
+def run_config(run: Path) -> dict | None:
+    return yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else None
+
+
+def tokens_seen(config: dict | None, state: dict) -> int | None:
+    """Token positions trained on: steps x batch x grad_accum x processes x max_length (packed rows are
+    max_length long, their padding included); None where the run does not say."""
+    if not config or "step" not in state or not config.get("data", {}).get("pack"):
+        return None
+    loop = config["loop"]
+    return state["step"] * loop["batch_size"] * loop.get("grad_accum", 1) * state.get("world_size", 1) \
+        * config["data"]["max_length"]
 
 
 # ---- output --------------------------------------------------------------------------------------------
@@ -200,7 +219,8 @@ def _training_cell(entry: dict) -> str:
         return "none"
     s = t.get("train_seconds")
     seconds = "time not recorded" if s is None else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
-    return f"{t['steps']} steps, {seconds} ({'reused' if t['reused'] else 'trained here'})"
+    tokens = f" ({t['tokens_seen'] / 1e3:.0f}k tokens)" if t.get("tokens_seen") else ""
+    return f"{t['steps']} steps{tokens}, {seconds} ({'reused' if t['reused'] else 'trained here'})"
 
 
 def _params(n: int) -> str:
@@ -216,6 +236,39 @@ def _lossless(row: dict) -> bool:
     """Every greedy check of a variant passed (at its gamma, and at gamma* where that was measured)."""
     return row["by_temperature"]["0"]["greedy_matches_target"] and \
         row.get("speedup_model", {}).get("greedy_matches_target_at_gamma_star", True)
+
+
+def real_target_rows(board: dict) -> dict:
+    """Per method, what benchmarks/real_targets.json keeps of a leaderboard on a real target: the training
+    budget, steps and tokens, and per decoding variant and temperature tau, acceptance by position, greedy
+    equality and speedup, with the speedup model's prediction beside the measurement (chains)."""
+    methods = {}
+    for key, entry in board["methods"].items():
+        if entry["status"] != "ok":
+            methods[key] = {"name": entry["name"], "status": entry["status"]}
+            continue
+        t = entry.get("training") or {}
+        row = {"name": entry["name"], "recipe": entry["recipe"], "verifier": entry["verifier"],
+               "budget_minutes": t.get("max_minutes"), "steps": t.get("steps"),
+               "train_seconds": t.get("train_seconds"), "variants": {},
+               # leaderboards older than tokens_seen: from the run, where it is still on disk
+               "tokens_seen": t.get("tokens_seen") if "tokens_seen" in t or not t
+               else tokens_seen(run_config(Path(t["run"])), last_state(Path(t["run"])))}
+        for variant, r in entry["variants"].items():
+            out = {"gamma": r["gamma"], "drafter_params": r["drafter_params"], "new_params": r["new_params"]}
+            for temp, stats in r["by_temperature"].items():
+                out[f"T={temp}"] = {k: stats[k] for k in ("tau", "acceptance_by_position", "speedup",
+                                                          "greedy_matches_target")}
+            m = r.get("speedup_model")
+            if m:
+                out["speedup_model"] = {k: m[k] for k in ("alpha", "c", "predicted_tau", "predicted_speedup",
+                                                          "measured_speedup", "gamma_star", "predicted_at_gamma_star",
+                                                          "measured_at_gamma_star") if k in m}
+            row["variants"][variant] = out
+        methods[key] = row
+    s = board["settings"]
+    return {"command": s["command"], "num_prompts": s["num_prompts"], "max_new_tokens": s["max_new_tokens"],
+            "budget_minutes": s["budget_minutes"], "total_seconds": s.get("total_seconds"), "methods": methods}
 
 
 def markdown(board: dict) -> str:

@@ -248,12 +248,12 @@ def real_target_rows(board: dict) -> dict:
             methods[key] = {"name": entry["name"], "status": entry["status"]}
             continue
         t = entry.get("training") or {}
+        tokens = t.get("tokens_seen")
+        if t and "tokens_seen" not in t:  # a leaderboard older than tokens_seen: from the run, if still on disk
+            tokens = tokens_seen(run_config(Path(t["run"])), last_state(Path(t["run"])))
         row = {"name": entry["name"], "recipe": entry["recipe"], "verifier": entry["verifier"],
                "budget_minutes": t.get("max_minutes"), "steps": t.get("steps"),
-               "train_seconds": t.get("train_seconds"), "variants": {},
-               # leaderboards older than tokens_seen: from the run, where it is still on disk
-               "tokens_seen": t.get("tokens_seen") if "tokens_seen" in t or not t
-               else tokens_seen(run_config(Path(t["run"])), last_state(Path(t["run"])))}
+               "train_seconds": t.get("train_seconds"), "tokens_seen": tokens, "variants": {}}
         for variant, r in entry["variants"].items():
             out = {"gamma": r["gamma"], "drafter_params": r["drafter_params"], "new_params": r["new_params"]}
             for temp, stats in r["by_temperature"].items():

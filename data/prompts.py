@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import random
+import textwrap
 
 from draftsmith.data.reference import stdlib_files
 
@@ -178,7 +179,8 @@ def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
 
 
 def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
-    """(stdlib function headers with their docstrings, openings of stdlib module-docstring paragraphs)."""
+    """(stdlib function and method headers with their docstrings, openings of stdlib module- and class-docstring
+    paragraphs)."""
     code, prose = [], []
     for f in stdlib_files():
         try:
@@ -186,17 +188,19 @@ def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
         except SyntaxError:
             continue
         lines = f.text.splitlines()
-        for node in tree.body:
+        classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+        for node in tree.body + [n for c in classes for n in c.body]:
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and len(node.body) > 1:
-                header = "\n".join(lines[node.lineno - 1: node.body[0].end_lineno]) + "\n"  # def ... + docstring
+                # def ... + docstring, a method dedented to the left margin
+                header = textwrap.dedent("\n".join(lines[node.lineno - 1: node.body[0].end_lineno])) + "\n"
                 if 80 <= len(header) <= 1200:
                     code.append(header)
-        doc = ast.get_docstring(tree)
-        for para in (doc or "").split("\n\n"):
-            para = " ".join(para.split())
-            if len(para) >= 200 and ">>>" not in para:
-                cut = para.rfind(". ", 0, 240)
-                prose.append(para[: cut + 1] if cut > 60 else para[: para.rfind(" ", 0, 160)])
+        for doc in [ast.get_docstring(tree)] + [ast.get_docstring(c) for c in classes]:
+            for para in (doc or "").split("\n\n"):
+                para = " ".join(para.split())
+                if len(para) >= 200 and ">>>" not in para:
+                    cut = para.rfind(". ", 0, 240)
+                    prose.append(para[: cut + 1] if cut > 60 else para[: para.rfind(" ", 0, 160)])
     code, prose = list(dict.fromkeys(code)), list(dict.fromkeys(prose))  # distinct, in file order
     for xs in (code, prose):
         rng.shuffle(xs)
@@ -205,10 +209,11 @@ def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
 
 def build_text_prompts(n: int = 1200, seed: int = 0) -> list[dict]:
     """Up to n distinct plain-text openings `{"id", "kind", "split", "prompt"}` for a base model to continue: 70%
-    code (a stdlib function's header and docstring), the rest prose while it lasts; split by a hash of the text as
-    `build_prompts` does."""
+    code (a stdlib function's header and docstring), the rest prose while it lasts and code after that; split by a
+    hash of the text as `build_prompts` does."""
     code, prose = text_openings(random.Random(seed))
-    picked = code[: round(0.7 * n)] + prose[: n - round(0.7 * n)]
+    n_prose = min(len(prose), n - round(0.7 * n))
+    picked = code[: n - n_prose] + prose[:n_prose]
     rows = []
     for text in picked:
         digest = hashlib.sha256(text.encode()).hexdigest()

@@ -70,6 +70,18 @@ def test_text_prompts_are_distinct_split_by_hash_and_mostly_code():
     assert build_text_prompts(300, seed=0) == rows
 
 
+def test_text_prompts_reach_the_real_target_size_with_methods_dedented_and_code_after_the_prose():
+    """3,300 openings with >= 200 held out (the self-distilled data's size) need methods and class docstrings too;
+    when the prose runs out, code fills the rest."""
+    rows = build_text_prompts(3300, seed=0)
+    assert len({r["id"] for r in rows}) == 3300
+    assert sum(r["split"] == "heldout" for r in rows) >= 200
+    kinds = collections.Counter(r["kind"] for r in rows)
+    assert kinds["prose"] < 990 and kinds["code"] == 3300 - kinds["prose"]
+    assert any("(self" in r["prompt"].split("\n")[0] for r in rows if r["kind"] == "code")
+    assert not any(r["prompt"][0].isspace() for r in rows)
+
+
 def test_a_base_model_without_a_chat_template_continues_text(tiny_chat_target, tmp_path):
     """A target with no chat template (a base model) gets plain-text openings and continues them: rows of `text`
     that train as plain text, and held-out `prompt` rows the checkpoint evaluation decodes."""
@@ -91,7 +103,7 @@ def test_a_base_model_without_a_chat_template_continues_text(tiny_chat_target, t
     assert len(answers) == 60 and all(r["text"].startswith(r["prompt"]) and len(r["text"]) > len(r["prompt"])
                                       for r in answers)
     settings = json.loads((tmp_path / "out" / "settings.json").read_text())
-    assert settings["format"] == "text" and settings["answered"] == {"train": 58, "heldout": 2}
+    assert settings["format"] == "text" and settings["answered"] == {"train": 55, "heldout": 5}
     rows = build_dataset(DataConfig(path=str(tmp_path / "out" / "train.jsonl.gz"), cache=False), tok)
     assert len(rows) == settings["answered"]["train"] and all(sum(r["loss_mask"]) > 0 for r in rows)
     prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")

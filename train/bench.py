@@ -107,7 +107,7 @@ METHODS = [
            "recipes/distill/tiny-code.yaml"),
 ]
 BY_KEY = {m.key: m for m in METHODS}
-TARGET_RECIPES = {"smollm2-135m-instruct": "smollm2-135m"}  # named target -> its recipes' name (recipes/<method>/*NAME.yaml)
+TARGET_RECIPES = {"smollm2-135m-instruct": "smollm2-135m", "gemma3-270m": "gemma3-270m"}  # named target -> its recipes' name (recipes/<method>/*NAME.yaml)
 
 
 def for_target(method: Method, target: str) -> Method:

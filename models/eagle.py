@@ -529,25 +529,25 @@ class EagleProposer(Proposer):
         """Up to top_k children per row of outputs h [F, H]: (target token, log q, q drawn from).
 
         Greedy: the top_k draft tokens, deterministic (q None). Sampling: top_k draws without replacement
-        from the warped draft distribution, each recording the renormalised q it was drawn from, so that
-        the exact multi-round verifier (which tests siblings in this order) stays exact.
+        from the warped draft distribution, each recording the renormalised q it was drawn from (over the
+        draft vocabulary: `_tree` spreads the kept nodes' q over the target's), so that the exact multi-round
+        verifier (which tests siblings in this order) stays exact. Warping the draft logits alone equals
+        warping them spread over the target's vocabulary, where every other token is -inf.
         """
-        d, V = self.drafter, self.drafter.t2d.numel()
+        draft_ids = self.drafter.draft_ids  # [Vd]
         logits = self._draft_logits(h)  # [F, Vd]
         if sampling.greedy:
             top = F.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), -1)
-            return [[(int(d.draft_ids[i]), lp, None) for lp, i in zip(v.tolist(), x.tolist(), strict=True)]
+            return [[(int(draft_ids[i]), lp, None) for lp, i in zip(v.tolist(), x.tolist(), strict=True)]
                     for v, x in zip(top.values, top.indices, strict=True)]
-        full = logits.new_full((logits.shape[0], V), float("-inf"))
-        full[:, d.draft_ids] = logits
         out = []
-        for q in warp(full, sampling):  # [V] per row
+        for q in warp(logits, sampling):  # [Vd] per row
             row, left = [], q.clone()
             while len(row) < self.top_k and left.sum() > 0:
-                q_node = left / left.sum()  # [V]
-                x = sample(q_node, sampling.generator)
-                row.append((x, float(q[x].log()), q_node))
-                left[x] = 0
+                q_node = left / left.sum()  # [Vd]
+                j = sample(q_node, sampling.generator)
+                row.append((int(draft_ids[j]), float(q[j].log()), q_node))
+                left[j] = 0
             out.append(row)
         return out
 
@@ -607,9 +607,12 @@ class EagleProposer(Proposer):
                 keep |= need
         keep = sorted(keep, key=lambda i: (depth[i], i))
         index = {old: new for new, old in enumerate(keep)}
+        q = None
+        if not sampling.greedy:  # the kept nodes' q over the target's vocabulary [n, V]
+            q = self.last.new_zeros(len(keep), self.drafter.t2d.numel(), dtype=torch.float32)
+            q[:, self.drafter.draft_ids] = torch.stack([qs[i] for i in keep])
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
-                         None if sampling.greedy else torch.stack([qs[i] for i in keep]))
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev), q)
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:

@@ -363,6 +363,24 @@ def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
     assert p.cache.get_seq_length() > p.n  # drafted entries sit in the cache until the next accept crops them
 
 
+def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_the_targets():
+    """Sampling a tree works in the draft vocabulary (no [V]-sized tensor per draw); each kept node's q is a
+    distribution over the target's vocabulary, zero outside the draft's, with the node's token in its support."""
+    draft_ids = torch.tensor([0, 2, 3, 5])
+    m = method(3, target=tiny_target(vocab=6, layers=2), draft_ids=draft_ids)
+    p = m.proposer(mode="tree", top_k=3, depth=3, total_tokens=8)
+    prompt = torch.tensor([[1, 4, 2, 3]])
+    p.reset()
+    with torch.no_grad():
+        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
+    p.accept(prompt[0], Verified(None, [], None, torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])))
+    tree = p.propose(prompt[0], Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0)))
+    assert tree.q.shape == (len(tree), 6) and torch.allclose(tree.q.sum(-1), torch.ones(len(tree)))
+    outside = torch.ones(6, dtype=torch.bool)
+    outside[draft_ids] = False
+    assert (tree.q[:, outside] == 0).all() and (tree.q[torch.arange(len(tree)), tree.tokens] > 0).all()
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampled_output_has_the_targets_distribution(mode):
     """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""

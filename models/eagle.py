@@ -511,28 +511,33 @@ class EagleProposer(Proposer):
             return DraftTree.empty(ids.device)
         return self._chain(ids, sampling) if self.mode == "chain" else self._tree(ids, sampling)
 
+    def _over_target(self, qs: list[torch.Tensor]) -> torch.Tensor:
+        """Draft-vocabulary distributions [Vd] each -> one [n, V] over the target's vocabulary, zero elsewhere.
+        Drafting warps and samples the draft logits alone: the same as over the target's vocabulary with every
+        other token at -inf, without a [V]-sized tensor per drafted token."""
+        q = qs[0].new_zeros(len(qs), self.drafter.t2d.numel())
+        q[:, self.drafter.draft_ids] = torch.stack(qs)
+        return q
+
     def _chain(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        d, V = self.drafter, self.drafter.t2d.numel()
+        draft_ids = self.drafter.draft_ids  # [Vd]
         h, tokens, qs = self.last, [], []
         for i in range(self.gamma):
-            logits = torch.full((V,), float("-inf"), device=ids.device)
-            logits[d.draft_ids] = self._draft_logits(h)  # [V]
-            x = draw(logits, sampling, qs)
+            x = int(draft_ids[draw(self._draft_logits(h), sampling, qs)])  # qs gets the [Vd] q when sampling
             tokens.append(x)
             if i + 1 < self.gamma:
                 visible = torch.ones(1, self.n + i + 1, dtype=torch.bool, device=ids.device)
                 pos = torch.tensor([self.n + i], device=ids.device)
                 h = self._step(torch.tensor([x], device=ids.device), h[None], pos, visible)[0]
-        return DraftTree.chain(torch.tensor(tokens, device=ids.device), torch.stack(qs) if qs else None)
+        return DraftTree.chain(torch.tensor(tokens, device=ids.device), self._over_target(qs) if qs else None)
 
     def _children(self, h: torch.Tensor, sampling: Sampling) -> list[list[tuple[int, float, torch.Tensor | None]]]:
         """Up to top_k children per row of outputs h [F, H]: (target token, log q, q drawn from).
 
         Greedy: the top_k draft tokens, deterministic (q None). Sampling: top_k draws without replacement
-        from the warped draft distribution, each recording the renormalised q it was drawn from (over the
-        draft vocabulary: `_tree` spreads the kept nodes' q over the target's), so that the exact multi-round
-        verifier (which tests siblings in this order) stays exact. Warping the draft logits alone equals
-        warping them spread over the target's vocabulary, where every other token is -inf.
+        from the warped draft distribution, each recording the renormalised q [Vd] it was drawn from
+        (`_over_target` spreads the kept nodes' q), so that the exact multi-round verifier (which tests
+        siblings in this order) stays exact.
         """
         draft_ids = self.drafter.draft_ids  # [Vd]
         logits = self._draft_logits(h)  # [F, Vd]
@@ -607,12 +612,9 @@ class EagleProposer(Proposer):
                 keep |= need
         keep = sorted(keep, key=lambda i: (depth[i], i))
         index = {old: new for new, old in enumerate(keep)}
-        q = None
-        if not sampling.greedy:  # the kept nodes' q over the target's vocabulary [n, V]
-            q = self.last.new_zeros(len(keep), self.drafter.t2d.numel(), dtype=torch.float32)
-            q[:, self.drafter.draft_ids] = torch.stack([qs[i] for i in keep])
         return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev), q)
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
+                         None if sampling.greedy else self._over_target([qs[i] for i in keep]))
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:

@@ -133,12 +133,9 @@ class PEagleProposer(EagleProposer):
         visible = torch.ones(m + slots, self.n + m + slots, dtype=torch.bool, device=ids.device).tril(self.n)
         out = self._step(tokens, feats, positions, visible)[m - 1:]  # [K, H]: the last entry, then the placeholders
         self.n, self.pending = self.n + m, None
-        d, V = self.drafter, self.drafter.t2d.numel()
-        logits = torch.full((self.gamma, V), float("-inf"), device=ids.device)
-        logits[:, d.draft_ids] = self._draft_logits(out)  # [K, V]
-        qs: list[torch.Tensor] = []
-        drafted = [draw(row, sampling, qs) for row in logits]
-        return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+        qs: list[torch.Tensor] = []  # [Vd] each when sampling
+        drafted = self.drafter.draft_ids[[draw(row, sampling, qs) for row in self._draft_logits(out)]]  # [K]
+        return DraftTree.chain(drafted, self._over_target(qs) if qs else None)
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:

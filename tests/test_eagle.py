@@ -364,8 +364,8 @@ def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
 
 
 def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_the_targets():
-    """Sampling a tree works in the draft vocabulary (no [V]-sized tensor per draw); each kept node's q is a
-    distribution over the target's vocabulary, zero outside the draft's, with the node's token in its support."""
+    """Sampling a tree works in the draft vocabulary; each kept node's q is a distribution over the target's
+    vocabulary, zero outside the draft's, with the node's token in its support."""
     draft_ids = torch.tensor([0, 2, 3, 5])
     m = method(3, target=tiny_target(vocab=6, layers=2), draft_ids=draft_ids)
     p = m.proposer(mode="tree", top_k=3, depth=3, total_tokens=8)

@@ -13,8 +13,10 @@ where a_k is the running probability that the accepted path reaches depth k give
 over drafts as deep as k (for a chain: the `acceptance_by_position` of decoding/metrics.py; in a tree a path
 that ends on a leaf counts as stopped, which the per-position acceptance leaves out), v the target's
 verify-cost curve, n_d the nodes up to depth d (d for a chain) and c the drafter's measured time per depth
-level (per token for a chain). It is cost.py's speedup model with per-position acceptance instead of one
-alpha, since acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84).
+level (per token for a chain), timed over propose and accept (where EAGLE runs its drafter over the accepted
+tokens: one forward per step, which a time over propose alone leaves out). It is cost.py's speedup model with
+per-position acceptance instead of one alpha, since acceptance rises along a draft for copy-like drafters
+(prompt lookup: 0.38 then 0.67, 0.84).
 The estimates decay (`decay` per step) towards a prior that extends the previous position's rate, so a
 position that a short gamma stopped observing drifts back and gets tried again.
 
@@ -140,4 +142,7 @@ class AdaptiveGamma(Proposer):
             for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, the draft has k)
                 self.passed[k] = self.passed[k] * self.decay + (k <= accepted)
                 self.reached[k] = self.reached[k] * self.decay + (k <= height and k - 1 <= accepted)
+        t0 = time.perf_counter()
         self.proposer.accept(ids, verified)
+        if verified.tree is not None:  # a step's drafting cost (EAGLE's forward over the accepted tokens), not the prefill's
+            self.drafter_s += time.perf_counter() - t0

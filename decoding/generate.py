@@ -38,6 +38,11 @@ from draftsmith.decoding.verify import Sampling, verify
 PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text"}
 
 
+def lazy_head(target, device: torch.device) -> bool:
+    """Whether the decoder runs the target's body alone and its head lazily (`LazyLogits`): on a CPU."""
+    return target.config.model_type in PLAIN_HEAD and device.type == "cpu"
+
+
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward -> its torch.compile'd version
 
 
@@ -133,7 +138,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     stats = stats or DecodeStats()
     device, dtype = input_ids.device, target.dtype
     eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
-    lazy = target.config.model_type in PLAIN_HEAD and device.type == "cpu"
+    lazy = lazy_head(target, device)
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()

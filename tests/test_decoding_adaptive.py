@@ -3,6 +3,8 @@ distribution at T=1 (chi-square), and a depth that follows the drafter's accepta
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import transformers as T
@@ -87,3 +89,25 @@ def test_depth_follows_the_acceptance(right, expected):
     out, _ = speculative_generate(target, proposer, x, 100)
     assert torch.equal(out, ref[None, : out.shape[1]])
     assert set(proposer.gammas[-6:]) <= expected, proposer.gammas
+
+
+class SlowAccept(Oracle):
+    """An Oracle whose accept costs 20 ms a step (like EAGLE's forward over the accepted tokens), 500 ms after the
+    prefill (like EAGLE's over the prompt)."""
+
+    def __init__(self, continuation: torch.Tensor):
+        super().__init__(continuation, right=8, gamma=1)
+
+    def accept(self, ids, verified):
+        time.sleep(0.5 if verified.tree is None else 0.02)
+
+
+def test_the_drafting_cost_counts_the_drafters_accept_but_not_the_prefills():
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0]
+    proposer = AdaptiveGamma(SlowAccept(ref), STEEP, plain_step_s=0.01, knob="gamma", max_gamma=1)
+    speculative_generate(target, proposer, x, 12)  # 6 steps of one draft + the bonus
+    # c: drafting time per level in 10 ms forwards. Each step's accept sleeps 20 ms over its one level: 2 (and
+    # the time Python takes). Counting the prefill's 500 ms would add ~5.7 (decayed by 0.9 over 6 steps).
+    assert 2.0 <= proposer.c() < 4.0

@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
             out = profile_section(target, tokenizer, args.num_prompts, args.max_new_tokens)
         out["load_average"] = {"start": load_start, "end": os.getloadavg()}
         out["seconds"] = time.perf_counter() - start
+        out["command"] = result["settings"]["command"]  # the sections of one file may come from different runs
         result[section] = out
         print(json.dumps({section: out}, indent=1)[:3000], flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g, device=device)  # [1, context + K]
     cache = kv.new_cache()
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True)
     times: dict[int, list[float]] = {k: [] for k in ks}
     order = list(ks)
     rng = random.Random(seed)
@@ -57,7 +57,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
         for k in order:
             pos = torch.arange(context, context + k, device=device)[None]  # [1, k]
             t0 = time.perf_counter()
-            out = forward(input_ids=ids[:, context:context + k], position_ids=pos, past_key_values=cache, use_cache=True)
+            out = forward(input_ids=ids[:, context:context + k], position_ids=pos, cache=cache, use_cache=True)
             if lazy:
                 LazyLogits(model, out.last_hidden_state[0])[0]  # rows [0, min(k, 2))
             if device.type == "cuda":

@@ -61,7 +61,7 @@ from draftsmith.decoding import cache as kv
 from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
-from draftsmith.decoding.verify import Sampling, sample, warp
+from draftsmith.decoding.verify import Sampling, warp
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
 
@@ -547,13 +547,16 @@ class EagleProposer(Proposer):
                     for v, x in zip(top.values, top.indices, strict=True)]
         out = []
         for q in warp(logits, sampling):  # [Vd] per row
-            row, left = [], q.clone()
-            while len(row) < self.top_k and left.sum() > 0:
-                q_node = left / left.sum()  # [Vd]
-                j = sample(q_node, sampling.generator)
-                row.append((int(draft_ids[j]), float(q[j].log()), q_node))
-                left[j] = 0
-            out.append(row)
+            k = min(self.top_k, int((q > 0).sum()))
+            # k sequential draws without replacement, each from q renormalised over what is left (multinomial
+            # without replacement draws exactly so, in this order); draw j's q has draws 0..j-1 zeroed.
+            picks = torch.multinomial(q, k, replacement=False, generator=sampling.generator)  # [k]
+            drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
+            left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
+            q_nodes = left / left.sum(-1, keepdim=True)  # [k, Vd]
+            logq = q[picks].log().tolist()
+            out.append([(int(draft_ids[j]), lq, qn)
+                        for j, lq, qn in zip(picks.tolist(), logq, q_nodes, strict=True)])
         return out
 
     def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:

@@ -379,6 +379,10 @@ def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_th
     outside = torch.ones(6, dtype=torch.bool)
     outside[draft_ids] = False
     assert (tree.q[:, outside] == 0).all() and (tree.q[torch.arange(len(tree)), tree.tokens] > 0).all()
+    for c in range(len(tree)):  # siblings keep their draw order; a later one's q has the earlier draws removed
+        for e in range(c):
+            if tree.parents[e] == tree.parents[c]:
+                assert tree.q[c, tree.tokens[e]] == 0 and tree.q[e, tree.tokens[c]] > 0
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -1,31 +1,35 @@
-"""Adaptive drafting length: gamma (a chain's length, a tree's depth) chosen per step.
+"""Adaptive drafting length: gamma (a chain's length, a tree's depth) chosen per step, 0 (no draft) included.
 
-    curve = relative(verify_cost_curve(target))               # decoding/cost.py
-    proposer = AdaptiveGamma(PromptLookup(), curve, knob="num_pred_tokens", max_gamma=10)
+    curve = verify_cost_curve(target)                                        # decoding/cost.py
+    proposer = AdaptiveGamma(PromptLookup(), relative(curve), curve[1], knob="num_pred_tokens", max_gamma=10)
     tokens, stats = speculative_generate(target, proposer, input_ids, 128)
 
 Each step picks the depth d that maximises the expected tokens per unit of step cost,
 
     E[tokens](d) = 1 + sum_{j=1..d} prod_{k=1..j} a_k        (bonus token included)
-    cost(d)      = v(n_d + 1) + c * d                         (in 1-token target forwards)
+    cost(d)      = v(n_d + 1) + o + c * d + a                 (in 1-token target forwards)
 
 where a_k is the running probability that the accepted path reaches depth k given that it reached k - 1,
 over drafts as deep as k (for a chain: the `acceptance_by_position` of decoding/metrics.py; in a tree a path
 that ends on a leaf counts as stopped, which the per-position acceptance leaves out), v the target's
-verify-cost curve, n_d the nodes up to depth d (d for a chain) and c the drafter's measured time per depth
-level (per token for a chain), timed over propose and accept (where EAGLE runs its drafter over the accepted
-tokens: one forward per step, which a time over propose alone leaves out). It is cost.py's speedup model with
-per-position acceptance instead of one alpha, since acceptance rises along a draft for copy-like drafters
-(prompt lookup: 0.38 then 0.67, 0.84).
-The estimates decay (`decay` per step) towards a prior that extends the previous position's rate, so a
-position that a short gamma stopped observing drifts back and gets tried again.
+verify-cost curve, n_d the nodes up to depth d (d for a chain), o the decoder's own time per verification
+beyond the curve's forward (measured: the time from a draft's return to the verifier's answer, less
+v(n + 1)), c the drafter's time per depth level of `propose` and a its time per step in `accept` (where
+EAGLE runs its drafter over the accepted tokens: one forward per step, drafted or not). It is cost.py's
+speedup model with per-position acceptance instead of one alpha, since acceptance rises along a draft for
+copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder
+(cost 1 + o + a): where no draft pays for itself (a drafter slower than the tokens it saves, as small
+drafters are on a CPU), the wrapper stops drafting. The estimates decay (`decay` per step, drafted or
+not) towards a prior that extends the previous position's rate, so a position that a short gamma (or no
+draft) stopped observing drifts back and gets tried again.
 
 Drafters with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma or tree depth,
 PromptLookup.num_pred_tokens) draft at the chosen depth, so drafting time is saved too; n_d is then the
 running mean of the drafts' nodes up to depth d. Any other draft (Medusa's static tree, suffix trees) is
-drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time is spent anyway, so
-only its verification is priced, with its own n_d. gamma depends only on past steps, never on the
-current draft's acceptance, so greedy output stays the target's and exact sampling stays exact.
+drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time, c times its mean
+height, is spent anyway once it drafts, so the cut prices verification alone, with the draft's own n_d.
+gamma depends only on past steps, never on the current draft's acceptance, so greedy output stays the
+target's and exact sampling stays exact.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ class AdaptiveGamma(Proposer):
     Args:
         proposer: the drafter.
         rel: the verify-cost curve relative to a 1-token forward, {k: v(k)} (`cost.relative`).
-        plain_step_s: seconds of a 1-token target forward (`curve[1]`), which prices the drafter's time;
-            0 ignores drafting cost (n-gram and suffix drafters cost next to nothing).
+        plain_step_s: seconds of a 1-token target forward (`curve[1]`), which prices the drafter's and the
+            decoder's time; 0 ignores both (n-gram and suffix drafters cost next to nothing).
         knob: the proposer's draft-depth attribute, set before drafting; None cuts the draft instead.
         max_gamma: the longest draft (default: the knob's value at construction, else 16).
         decay: weight of the past per step (0.9: about the last 10 steps count).
@@ -67,9 +71,13 @@ class AdaptiveGamma(Proposer):
         self.decay, self.prior = decay, prior
         self.passed = [0.0] * (self.max_gamma + 1)  # decayed counts per position k (index 0 unused)
         self.reached = [0.0] * (self.max_gamma + 1)
-        self.drafter_s, self.levels = 0.0, 0.0  # decayed drafting time and depth levels drafted
         self.nodes = [0.0] * (self.max_gamma + 1)  # decayed sums of the drafts' nodes up to depth d
         self.seen = [0.0] * (self.max_gamma + 1)  # decayed count of drafts that reached depth d
+        # decayed seconds and what they are per: propose per depth level, accept per step, the decoder per verification
+        self.propose_s, self.levels, self.drafts = 0.0, 0.0, 0.0
+        self.accept_s, self.steps = 0.0, 0.0
+        self.overhead_s, self.verifies = 0.0, 0.0
+        self.proposed: tuple[float, int] | None = None  # (when the current draft was handed over, its nodes)
         self.gammas: list[int] = []  # the depth chosen at each step (for benchmarks)
 
     @property
@@ -82,7 +90,8 @@ class AdaptiveGamma(Proposer):
         return getattr(self.proposer, name)
 
     def reset(self) -> None:
-        self.proposer.reset()  # the acceptance estimates carry over: they describe the drafter, not the text
+        self.proposer.reset()  # the estimates carry over: they describe the drafter and the machine, not the text
+        self.proposed = None
 
     def acceptance(self) -> list[float]:
         """a_1..a_max: decayed counts shrunk towards the previous position's rate (1/2 before position 1)."""
@@ -92,21 +101,34 @@ class AdaptiveGamma(Proposer):
             out.append(prev)
         return out
 
-    def best_depth(self, nodes: list[int], drafting: float) -> int:
-        """argmax over d >= 1 of E[tokens](d) / (v(nodes[d - 1] + 1) + drafting * d); nodes[d - 1] = nodes up
-        to depth d."""
-        best, best_rate, tokens, survive = 1, 0.0, 1.0, 1.0
-        for d, (a, n) in enumerate(zip(self.acceptance(), nodes, strict=False), 1):
+    def _per(self, seconds: float, count: float) -> float:
+        """A decayed time per unit, in 1-token target forwards (0 when unmeasured or unpriced)."""
+        return seconds / count / self.plain_step_s if count and self.plain_step_s else 0.0
+
+    def c(self) -> float:
+        """The drafter's propose time per depth level, in 1-token target forwards."""
+        return self._per(self.propose_s, self.levels)
+
+    def a(self) -> float:
+        """The drafter's accept time per step, in 1-token target forwards."""
+        return self._per(self.accept_s, self.steps)
+
+    def o(self) -> float:
+        """The decoder's time per verification beyond the curve's forward, in 1-token target forwards (>= 0)."""
+        return max(0.0, self._per(self.overhead_s, self.verifies))
+
+    def best_depth(self, nodes: list[float], drafting: list[float]) -> int:
+        """argmax over d >= 0 of E[tokens](d) / (v(nodes[d - 1] + 1) + o + a + drafting[d - 1]); nodes[d - 1] =
+        nodes up to depth d, drafting[d - 1] the drafter's cost of a depth-d draft; d = 0 drafts nothing."""
+        fixed = self.o() + self.a()
+        best, best_rate, tokens, survive = 0, 1.0 / (1.0 + fixed), 1.0, 1.0
+        for d, (a, n, c) in enumerate(zip(self.acceptance(), nodes, drafting, strict=False), 1):
             survive *= a
             tokens += survive
-            rate = tokens / (verify_cost(self.rel, n + 1) + drafting * d)
+            rate = tokens / (verify_cost(self.rel, n + 1) + fixed + c)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
-
-    def c(self) -> float:
-        """Drafting time per depth level, in 1-token target forwards."""
-        return self.drafter_s / self.levels / self.plain_step_s if self.levels and self.plain_step_s else 0.0
 
     def expected_nodes(self) -> list[float]:
         """n_1..n_max: the drafts' mean nodes up to depth d; unseen depths extend the last level's width."""
@@ -118,31 +140,46 @@ class AdaptiveGamma(Proposer):
         return out
 
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        if self.knob:
-            setattr(self.proposer, self.knob, self.best_depth(self.expected_nodes(), self.c()))
-        t0 = time.perf_counter()
-        tree = self.proposer.propose(ids, sampling)
-        spent = time.perf_counter() - t0
-        depth = layout(tree.parents).depth[1:]  # [n]
-        nodes = torch.bincount(depth, minlength=self.max_gamma + 1)[1:].cumsum(0).tolist()  # up to depth d
-        height = layout(tree.parents).height
-        self.drafter_s, self.levels = self.drafter_s * self.decay + spent, self.levels * self.decay + height
-        for d in range(1, self.max_gamma + 1):
-            self.nodes[d], self.seen[d] = self.nodes[d] * self.decay, self.seen[d] * self.decay
-            if d <= height:
-                self.nodes[d], self.seen[d] = self.nodes[d] + nodes[d - 1], self.seen[d] + 1
-        if len(tree) and not self.knob:
-            tree = tree.truncate(self.best_depth(nodes, 0.0))
+        depths = range(1, self.max_gamma + 1)
+        # a knob drafts d levels; a cut draft costs its whole (mean) height whatever depth it is cut to
+        height = self.levels / self.drafts if self.drafts else 1.0
+        d = self.best_depth(self.expected_nodes(), [self.c() * (d if self.knob else height) for d in depths])
+        if d == 0:
+            tree = DraftTree.empty(ids.device)
+        else:
+            if self.knob:
+                setattr(self.proposer, self.knob, d)
+            t0 = time.perf_counter()
+            tree = self.proposer.propose(ids, sampling)
+            self.propose_s = self.propose_s * self.decay + time.perf_counter() - t0
+            lay = layout(tree.parents)
+            nodes = torch.bincount(lay.depth[1:], minlength=self.max_gamma + 1)[1:].cumsum(0).tolist()  # up to d
+            self.levels, self.drafts = self.levels * self.decay + lay.height, self.drafts * self.decay + 1
+            for k in depths:
+                self.nodes[k], self.seen[k] = self.nodes[k] * self.decay, self.seen[k] * self.decay
+                if k <= lay.height:
+                    self.nodes[k], self.seen[k] = self.nodes[k] + nodes[k - 1], self.seen[k] + 1
+            if len(tree) and not self.knob:
+                tree = tree.truncate(self.best_depth(nodes, [0.0] * self.max_gamma))
         self.gammas.append(layout(tree.parents).height)
+        self.proposed = (time.perf_counter(), len(tree))
         return tree
 
     def accept(self, ids: torch.Tensor, verified: Verified) -> None:
-        if verified.tree is not None and len(verified.tree):
+        t0 = time.perf_counter()
+        if verified.tree is not None:  # a step (the prefill's accept is neither priced nor observed)
+            if self.proposed is not None:  # the decoder's time since the draft was handed over, beyond the forward
+                handed, n = self.proposed
+                self.overhead_s = self.overhead_s * self.decay + t0 - handed - self.plain_step_s * verify_cost(
+                    self.rel, n + 1)
+                self.verifies = self.verifies * self.decay + 1
             accepted, height = len(verified.path), layout(verified.tree.parents).height
             for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, the draft has k)
                 self.passed[k] = self.passed[k] * self.decay + (k <= accepted)
                 self.reached[k] = self.reached[k] * self.decay + (k <= height and k - 1 <= accepted)
-        t0 = time.perf_counter()
+        self.proposed = None
+        t1 = time.perf_counter()
         self.proposer.accept(ids, verified)
-        if verified.tree is not None:  # a step's drafting cost (EAGLE's forward over the accepted tokens), not the prefill's
-            self.drafter_s += time.perf_counter() - t0
+        if verified.tree is not None:
+            self.accept_s = self.accept_s * self.decay + time.perf_counter() - t1
+            self.steps = self.steps * self.decay + 1

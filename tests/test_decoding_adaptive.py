@@ -77,10 +77,11 @@ class Oracle(Proposer):
         return DraftTree.chain(draft)
 
 
-@pytest.mark.parametrize("right,expected", [(8, {8}), (0, {1}), (2, {2, 3})], ids=["always", "never", "two"])
+@pytest.mark.parametrize("right,expected", [(8, {8}), (0, {0, 1}), (2, {2, 3})], ids=["always", "never", "two"])
 def test_depth_follows_the_acceptance(right, expected):
-    """A drafter that is always right drafts the longest chain, one never right a single token; one right twice
-    drafts 2, and now and then 3: the unobserved third position drifts back to its prior and is tried again."""
+    """A drafter that is always right drafts the longest chain; one never right a single token, or none when its
+    estimate falls below the 5% a drafted token adds to a verification; one right
+    twice drafts 2, and now and then 3: the unobserved third position drifts back to its prior and is tried again."""
     target = build()
     x = prompt(4)
     ref = target.generate(x, max_new_tokens=120, min_new_tokens=120, do_sample=False)[0]
@@ -89,6 +90,27 @@ def test_depth_follows_the_acceptance(right, expected):
     out, _ = speculative_generate(target, proposer, x, 100)
     assert torch.equal(out, ref[None, : out.shape[1]])
     assert set(proposer.gammas[-6:]) <= expected, proposer.gammas
+
+
+class Slow(Oracle):
+    """An Oracle right on its first token whose every drafted level costs 10 ms more."""
+
+    def propose(self, ids, sampling):
+        time.sleep(0.01 * self.gamma)
+        return super().propose(ids, sampling)
+
+
+def test_a_drafter_that_costs_more_than_it_saves_stops_drafting_and_the_output_stays_the_targets():
+    """Priced in 1 ms target forwards, a 10 ms draft level never pays for the token it saves: the wrapper drafts
+    nothing for most steps (plain steps through the decoder) and tries a draft now and then."""
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=60, min_new_tokens=60, do_sample=False)[0]
+    proposer = AdaptiveGamma(Slow(ref, right=1, gamma=4), STEEP, plain_step_s=1e-3, knob="gamma")
+    out, _ = speculative_generate(target, proposer, x, 60)
+    assert torch.equal(out, ref[None])
+    assert proposer.c() > 5
+    assert proposer.gammas.count(0) > 0.7 * len(proposer.gammas) and max(proposer.gammas) >= 1, proposer.gammas
 
 
 class SlowAccept(Oracle):
@@ -108,6 +130,8 @@ def test_the_drafting_cost_counts_the_drafters_accept_but_not_the_prefills():
     ref = target.generate(x, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0]
     proposer = AdaptiveGamma(SlowAccept(ref), STEEP, plain_step_s=0.01, knob="gamma", max_gamma=1)
     speculative_generate(target, proposer, x, 12)  # 6 steps of one draft + the bonus
-    # c: drafting time per level in 10 ms forwards. Each step's accept sleeps 20 ms over its one level: 2 (and
-    # the time Python takes). Counting the prefill's 500 ms would add ~5.7 (decayed by 0.9 over 6 steps).
-    assert 2.0 <= proposer.c() < 4.0
+    # a: accept time per step in 10 ms forwards. Each step's accept sleeps 20 ms: 2 (and the time Python takes).
+    # Counting the prefill's 500 ms would add ~5.7 (decayed by 0.9 over 6 steps).
+    assert 2.0 <= proposer.a() < 4.0
+    assert proposer.c() < 1.0  # proposing is quick: the sleep is in accept
+    assert proposer.gammas == [1] * 6  # always right and cheap to propose: it drafts, though each step costs 3x

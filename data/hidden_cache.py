@@ -5,7 +5,10 @@
 Only what the method reads is stored: `hidden`, the final post-norm hidden state [T, H] (EAGLE-1's
 feature and, through the target's LM head, the soft targets of both versions: logits are never
 stored), and for EAGLE-3 `aux`, the chosen `hidden_states[i]` concatenated in `layers` order
-[T, n*H]. Per token that is (1 + n) * H * bytes(dtype), plus 9 bytes of token columns.
+[T, n*H], with the two numbers its teacher needs from the whole vocabulary: `log_z` [T] (float32), the
+log-normaliser of the target's logits, and `greedy` [T] (int32), their argmax. With them training runs the
+target's head over the draft vocabulary's rows alone (4,096 of SmolLM2's 49,152). Per token that is
+(1 + n) * H * bytes(dtype), plus 9 bytes of token columns (and 8 of teacher columns with `aux`).
 
 Layout of DIR:
     manifest.json            target path and fingerprint (config, sampled weights), layers, dtype,
@@ -14,7 +17,7 @@ Layout of DIR:
     shard-00000.safetensors  a run of consecutive rows, concatenated along tokens:
                              input_ids [T] int32, loss_mask [T] int8, position_ids [T] int32,
                              offsets [r + 1] int64 (row k is tokens offsets[k]:offsets[k+1]),
-                             hidden [T, H], aux [T, n*H]
+                             hidden [T, H], aux [T, n*H], log_z [T], greedy [T]
 
 Each shard is written under a temporary name and renamed into place, so a shard file is whole or
 absent; an interrupted run resumes at the first missing shard. The reader opens shards lazily and
@@ -43,6 +46,9 @@ FORMAT = "draftsmith-hidden-cache/1"
 TOKEN_BYTES = 4 + 1 + 4  # input_ids int32, loss_mask int8, position_ids int32
 DISK_MARGIN = 1.05, 256 << 20  # refuse unless free space >= estimate * 1.05 + 256 MiB
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")
+TEACHER_KEYS = ("log_z", "greedy")  # written with aux (EAGLE-3): float32 and int32 per token
+TEACHER_BYTES = 4 + 4
+LOGIT_CHUNK = 64  # positions per chunk of full-vocabulary logits while writing
 
 
 class CacheError(ValueError):
@@ -117,9 +123,10 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
             digest.update(torch.tensor(row[k], dtype=torch.int32).numpy().tobytes())
         lengths.append(len(row["input_ids"]))
     shards = plan_shards(lengths, shard_tokens)
-    bytes_per_token = (1 + len(layers)) * H * dtype.itemsize + TOKEN_BYTES
+    bytes_per_token = (1 + len(layers)) * H * dtype.itemsize + TOKEN_BYTES + (TEACHER_BYTES if layers else 0)
     manifest = {"format": FORMAT, "target": str(target.path), "target_sha256": target_fingerprint(target),
-                "layers": list(layers), "hidden_size": H, "dtype": str(dtype).removeprefix("torch."),
+                "layers": list(layers), "teacher": list(TEACHER_KEYS) if layers else [], "hidden_size": H,
+                "dtype": str(dtype).removeprefix("torch."),
                 "rows": len(lengths), "tokens": sum(lengths), "bytes_per_token": bytes_per_token,
                 "data_sha256": digest.hexdigest(), "shards": shards, "meta": meta or {}, "complete": False}
 
@@ -167,6 +174,7 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
     tensors["hidden"] = torch.empty(T, H, dtype=dtype)
     if layers:
         tensors["aux"] = torch.empty(T, len(layers) * H, dtype=dtype)
+        tensors["log_z"], tensors["greedy"] = torch.empty(T), torch.empty(T, dtype=torch.int32)
     device = target.lm_head.weight.device
     for lo in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[lo: lo + batch_size]).items()}
@@ -177,6 +185,10 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
             tensors["hidden"][a:b] = tap.hidden[j, : b - a].to("cpu", dtype)  # [len, H]
             if layers:
                 tensors["aux"][a:b] = aux[j, : b - a].to("cpu", dtype)  # [len, n*H]
+                for c in range(a, b, LOGIT_CHUNK):  # the teacher's view of the whole vocabulary, [chunk, V] at a time
+                    logits = target.logits(tap.hidden[j, c - a: min(b, c + LOGIT_CHUNK) - a]).float()  # [chunk, V]
+                    tensors["log_z"][c: c + logits.shape[0]] = logits.logsumexp(-1).cpu()
+                    tensors["greedy"][c: c + logits.shape[0]] = logits.argmax(-1).cpu()
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, tmp, metadata={"format": FORMAT})
     with open(tmp, "rb") as fh:
@@ -185,7 +197,8 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
 
 
 class CachedRow(Mapping):
-    """One cached row: token lists at hand, `hidden` [len, H] / `aux` [len, n*H] read from disk when asked for."""
+    """One cached row: token lists at hand, `hidden` [len, H] / `aux` [len, n*H] / `log_z`, `greedy` [len] read
+    from disk when asked for."""
 
     def __init__(self, tokens: dict[str, list[int]], read: Callable[[str], torch.Tensor], features: tuple[str, ...]):
         self.tokens, self.read, self.features = tokens, read, features
@@ -209,7 +222,8 @@ class CachedRow(Mapping):
 
 class HiddenCache:
     """A written cache as a map-style dataset: `cache[i]` -> input_ids, loss_mask, position_ids (lists),
-    hidden [len, H] and, for EAGLE-3, aux [len, n*H] (tensors in the cache's dtype, read lazily).
+    hidden [len, H] and, for EAGLE-3, aux [len, n*H] (tensors in the cache's dtype, read lazily) and, in a cache
+    written since they exist, log_z and greedy [len].
 
     With `target` (and `layers`), refuses a cache written for another target (or other layers).
     """
@@ -233,7 +247,7 @@ class HiddenCache:
                              f"reads {list(layers) or 'final only'}; write a cache with this recipe's eagle settings "
                              "(scripts/cache_hidden_states.py) and point offline.path at it")
         self.layers, self.hidden_size = m["layers"], m["hidden_size"]
-        self.features = ("hidden", "aux") if self.layers else ("hidden",)
+        self.features = ("hidden", "aux", *m.get("teacher", ())) if self.layers else ("hidden",)
         self.starts = [s["first_row"] for s in m["shards"]]
         self.open: dict[int, tuple] = {}  # shard -> (safe_open handle, offsets list)
 
@@ -259,11 +273,13 @@ class HiddenCache:
 
 def collate_features(rows: list[Mapping]) -> dict[str, torch.Tensor]:
     """Cached rows -> the batch `train.loop.collate` makes of their tokens (same padding and attention_mask),
-    plus hidden [b, s, H] and aux [b, s, n*H], zero-padded, in the cache's dtype (`Eagle.features` upcasts)."""
+    plus hidden [b, s, H] and aux [b, s, n*H], zero-padded, in the cache's dtype (`Eagle.features` upcasts), and
+    log_z, greedy [b, s] where the cache has them."""
     batch = collate([{k: r[k] for k in TOKEN_KEYS} for r in rows])
     s = batch["input_ids"].shape[1]
-    for key in ("hidden", "aux"):
+    for key in ("hidden", "aux", *TEACHER_KEYS):
         if key in rows[0]:
-            feats = [r[key] for r in rows]  # each [len, D]
-            batch[key] = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, s - x.shape[0])) for x in feats])
+            feats = [r[key] for r in rows]  # each [len, D] or [len]
+            pad = (0, 0, 0, s) if feats[0].dim() == 2 else (0, s)
+            batch[key] = torch.stack([torch.nn.functional.pad(x, pad[:-1] + (s - x.shape[0],)) for x in feats])
     return batch

@@ -302,20 +302,24 @@ class Eagle(nn.Module):
         return zip(*(x.split(n, 1) for x in xs), strict=True)
 
     @torch.no_grad()
-    def teacher(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def teacher(self, f: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """f [b, s, H] -> (p [b, s, Vd] the target's softmax renormalised over the draft vocabulary, mass [b, s] the
         target's probability on the draft vocabulary, greedy [b, s] its argmax over the whole vocabulary);
-        full-vocabulary logits [b, chunk, V] exist for one chunk at a time."""
+        full-vocabulary logits [b, chunk, V] exist for one chunk at a time. With `cached` (EAGLE-3 from a hidden-state
+        cache: log_z, greedy [b, s], the whole vocabulary's log-normaliser and argmax) the head runs over the draft
+        vocabulary's rows only."""
+        v3 = self.cfg.version == 3
+        rows = self.drafter.draft_ids if v3 and cached is not None else None
         ps, masses, greedy = [], [], []
-        for (x,) in self.chunks(f):
-            logits = self.target.logits(x.to(self.target.lm_head.weight.dtype)).float()  # [b, c, V]
-            greedy.append(logits.argmax(-1))
-            if self.cfg.version == 3:
-                log_z = logits.logsumexp(-1)  # [b, c]
-                logits = logits[..., self.drafter.draft_ids]  # [b, c, Vd]
-                masses.append((logits.logsumexp(-1) - log_z).exp())
-            else:
-                masses.append(logits.new_ones(logits.shape[:-1]))
+        for x, *known in self.chunks(f, *(cached if rows is not None else ())):
+            logits = self.target.logits(x.to(self.target.lm_head.weight.dtype), rows).float()  # [b, c, V or Vd]
+            if rows is None:
+                known = [logits.logsumexp(-1), logits.argmax(-1)]  # [b, c] each
+                logits = logits[..., self.drafter.draft_ids] if v3 else logits  # [b, c, Vd]
+            log_z, top = known
+            greedy.append(top.long())
+            masses.append((logits.logsumexp(-1) - log_z).exp().clamp(max=1.0) if v3 else torch.ones_like(log_z))
             ps.append(F.softmax(logits, -1))
         return torch.cat(ps, 1), torch.cat(masses, 1), torch.cat(greedy, 1)
 
@@ -355,7 +359,8 @@ class Eagle(nn.Module):
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
-        target_p, mass, greedy = self.teacher(f)  # [b, s, Vd], [b, s], [b, s] the target's next token
+        cached = (batch["log_z"], batch["greedy"]) if "log_z" in batch else None  # offline, EAGLE-3
+        target_p, mass, greedy = self.teacher(f, cached)  # [b, s, Vd], [b, s], [b, s] the target's next token
         with torch.no_grad():
             emb = self.target.embed(ids).float()  # [b, s, H]
         if self.training and cfg.feature_noise:

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.models.zoo import NAMED_TARGETS, resolve_target
@@ -65,9 +66,14 @@ class Target(nn.Module):
                 raise ValueError(f"layer {i} is out of range for a target with {n} layers; use 0..{n}")
         return TapOutput(out.last_hidden_state, {i: out.hidden_states[i] for i in layers})
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on hidden states [.., H] -> [.., V], with the config's logit soft-cap if any."""
-        logits = self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's LM head on hidden states [.., H] -> [.., V] (or [.., len(rows)]: those vocabulary rows
+        alone), with the config's logit soft-cap if any."""
+        if rows is None:
+            logits = self.lm_head(hidden)
+        else:
+            bias = getattr(self.lm_head, "bias", None)
+            logits = F.linear(hidden, self.lm_head.weight[rows], None if bias is None else bias[rows])
         cap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -9,7 +9,8 @@ the bf16 cache with scripts/cache_hidden_states.py, then trains the same number 
 online and offline from the same seed, and reports tokens/s and seconds per epoch two ways: wall time
 (the loop's train_seconds: data loading and cache reads included, evaluation excluded) and CPU time per
 step, (CPU of an S-step run - CPU of a 1-step run) / (S - 1), which setup and evaluation cancel out of
-and which other jobs on a shared machine barely move. Also how far the bf16 cache moves the losses.
+and which other jobs on a shared machine barely move; and per token, the drafter's own step (the offline cost)
+beside the target's forward (online less offline). Also how far the bf16 cache moves the losses.
 Writes `benchmarks/eagle_cache.json`.
 """
 
@@ -100,6 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
         "online": throughput(on), "offline": throughput(off),
         "offline_speedup_wall": round(on["train_seconds"] / off["train_seconds"], 3),
         "offline_speedup_cpu": round(on["cpu_per_step"] / off["cpu_per_step"], 3),
+        # where a token's CPU time goes: offline is the drafter's own step (its TTT forwards and backwards, the
+        # teacher's head, the cache reads), and online adds the target's forward; the drafter's share bounds offline
+        "cpu_ms_per_token": {"online": round(1e3 * on["cpu_per_step"] * rows / (batch * tokens), 3),
+                             "drafter_step_offline": round(1e3 * off["cpu_per_step"] * rows / (batch * tokens), 3),
+                             "target_forward": round(1e3 * (on["cpu_per_step"] - off["cpu_per_step"]) * rows
+                                                     / (batch * tokens), 3)},
         "bf16_cache_loss_max_abs_diff": round(max(abs(a - b) for a, b in zip(on["losses"], off["losses"], strict=True)), 6),
         "final_loss": {"online": on["losses"][-1], "offline": off["losses"][-1]},
     }

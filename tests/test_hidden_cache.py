@@ -55,12 +55,15 @@ def test_fp32_cache_reads_back_the_tap_exactly(target, rows, tmp_path):
         assert got["input_ids"] == row["input_ids"] and got["loss_mask"] == row["loss_mask"]
         assert got["position_ids"] == list(range(len(row["input_ids"])))
         assert torch.equal(got["hidden"], hidden) and torch.equal(got["aux"], aux)
+        logits = target.logits(hidden)  # [len, V]: the teacher's whole-vocabulary view, stored as two columns
+        torch.testing.assert_close(got["log_z"], logits.logsumexp(-1))
+        assert torch.equal(got["greedy"].long(), logits.argmax(-1))
 
 
 def test_bf16_batched_cache_is_the_tap_within_bf16_precision(target, rows, tmp_path):
     m = write_cache(target, rows, LAYERS, tmp_path, dtype=torch.bfloat16, batch_size=4, log=lambda s: None)
     H = target.config.hidden_size
-    assert m["bytes_per_token"] == (1 + len(LAYERS)) * H * 2 + 9
+    assert m["bytes_per_token"] == (1 + len(LAYERS)) * H * 2 + 9 + 8  # features, token columns, log_z and greedy
     shard = tmp_path / m["shards"][0]["file"]
     assert shard.stat().st_size >= m["tokens"] * m["bytes_per_token"]
     cache = HiddenCache(tmp_path, target, LAYERS)
@@ -83,7 +86,7 @@ def test_collate_features_pads_like_collate(target, rows, tmp_path):
     cache = HiddenCache(tmp_path)
     batch = collate_features([cache[i] for i in range(3)])
     plain = collate([{**r, "position_ids": list(range(len(r["input_ids"])))} for r in rows[:3]])
-    assert set(batch) == set(plain) | {"hidden", "aux"}
+    assert set(batch) == set(plain) | {"hidden", "aux", "log_z", "greedy"}
     for k, v in plain.items():
         assert torch.equal(batch[k], v)
     b, s = plain["input_ids"].shape
@@ -91,11 +94,12 @@ def test_collate_features_pads_like_collate(target, rows, tmp_path):
     for i in range(3):
         n = len(rows[i]["input_ids"])
         assert torch.equal(batch["hidden"][i, :n], cache[i]["hidden"]) and not batch["hidden"][i, n:].any()
+        assert torch.equal(batch["greedy"][i, :n], cache[i]["greedy"]) and batch["log_z"].shape == (b, s)
 
 
 def test_refuses_when_the_disk_cannot_hold_the_cache(target, rows, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    need = sum(len(r["input_ids"]) for r in rows) * ((1 + len(LAYERS)) * 32 * 2 + 9)
+    need = sum(len(r["input_ids"]) for r in rows) * ((1 + len(LAYERS)) * 32 * 2 + 9 + 8)
     monkeypatch.setattr(hc.shutil, "disk_usage", lambda p: usage(1 << 40, 0, need + (1 << 20)))
     with pytest.raises(CacheError, match=r"not enough disk for the hidden cache: .* free at"):
         write_cache(target, rows, LAYERS, tmp_path / "c", log=lambda s: None)
@@ -169,6 +173,8 @@ def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, 
     m = cache_command.main([*config, *common, "--out", str(tmp_path / "cache"),
                                                        "--dtype", "float32", "--shard-tokens", "200"])
     assert len(m["shards"]) > 1
+    # EAGLE-3's cache carries the teacher's log_z and greedy: its offline teacher runs the head over the draft rows only
+    assert ("log_z" in HiddenCache(tmp_path / "cache")[0]) == (m["layers"] != [])
     entry = "train/p_eagle.py" if recipe.startswith("p_eagle") else "train/eagle.py"
     online, w_online = train(*config, *common, f"loop.output_dir={tmp_path / 'online'}", entry=entry)
     offline, w_offline = train(*config, *common, f"loop.output_dir={tmp_path / 'offline'}",

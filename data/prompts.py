@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import random
-import textwrap
 
 from draftsmith.data.reference import stdlib_files
 
@@ -70,7 +69,7 @@ def code_prompts(rng: random.Random) -> tuple[list[str], list[str], list[str], l
             modules.append(mod)
             prose += [p.strip() for p in doc.split("\n\n") if 200 <= len(p.strip()) <= 900
                       and p.count(">>>") == 0]
-        lines = f.text.splitlines()
+        lines = f.text.split("\n")  # ast numbers lines by "\n" alone; splitlines also breaks at form feeds
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
@@ -178,6 +177,12 @@ def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
     return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
 
 
+def _dedent(lines: list[str], indent: int) -> list[str]:
+    """Lines of a definition at column `indent` moved to the left margin: `indent` characters off every line that
+    starts with them as whitespace (a docstring line at the margin stays as it is), whitespace-only lines emptied."""
+    return ["" if not line.strip() else line[indent:] if line[:indent].isspace() else line for line in lines]
+
+
 def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
     """(stdlib function and method headers with their docstrings, openings of stdlib module- and class-docstring
     paragraphs)."""
@@ -187,12 +192,12 @@ def text_openings(rng: random.Random) -> tuple[list[str], list[str]]:
             tree = ast.parse(f.text)
         except SyntaxError:
             continue
-        lines = f.text.splitlines()
+        lines = f.text.split("\n")  # ast numbers lines by "\n" alone; splitlines also breaks at form feeds
         classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
         for node in tree.body + [n for c in classes for n in c.body]:
             if isinstance(node, ast.FunctionDef) and ast.get_docstring(node) and len(node.body) > 1:
                 # def ... + docstring, a method dedented to the left margin
-                header = textwrap.dedent("\n".join(lines[node.lineno - 1: node.body[0].end_lineno])) + "\n"
+                header = "\n".join(_dedent(lines[node.lineno - 1: node.body[0].end_lineno], node.col_offset)) + "\n"
                 if 80 <= len(header) <= 1200:
                     code.append(header)
         for doc in [ast.get_docstring(tree)] + [ast.get_docstring(c) for c in classes]:

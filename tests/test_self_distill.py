@@ -29,17 +29,18 @@ def test_prompts_are_diverse_distinct_and_split_by_first_user_turn():
 
 def test_self_distill_answers_resumes_and_finalizes(tiny_chat_target, tmp_path):
     sd = self_distill
-    args = ["--target", str(tiny_chat_target), "--num-prompts", "24", "--max-new-tokens", "6", "--batch-size", "8",
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "40", "--max-new-tokens", "6", "--batch-size", "8",
             "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     sd.main(args)
     answers = [json.loads(line) for line in open(tmp_path / "work" / "answers.jsonl")]
-    assert len(answers) == 24 and answers[0]["split"] == "heldout"  # held-out prompts are answered first
+    splits = [r["split"] for r in answers]  # held-out prompts are answered first (3-6 of these 40, by stdlib version)
+    assert len(answers) == 40 and "heldout" in splits and splits == sorted(splits, key=lambda s: s != "heldout")
     assert all(m["content"] for r in answers for m in r["messages"] if m["role"] == "assistant")
     sd.main(args)  # nothing left to do: resuming adds no row
-    assert sum(1 for _ in open(tmp_path / "work" / "answers.jsonl")) == 24
+    assert sum(1 for _ in open(tmp_path / "work" / "answers.jsonl")) == 40
     sd.main(args + ["--finalize"])
     settings = json.loads((tmp_path / "out" / "settings.json").read_text())
-    assert settings["answered"]["train"] + settings["answered"]["heldout"] == 24
+    assert settings["answered"]["train"] + settings["answered"]["heldout"] == 40
     assert settings["sampling"]["temperature"] == 0.7 and settings["sampling"]["max_new_tokens"] == 6
     with gzip.open(tmp_path / "out" / "train.jsonl.gz", "rt") as fh:
         assert sum(1 for _ in fh) == settings["answered"]["train"]

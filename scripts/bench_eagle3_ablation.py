@@ -5,7 +5,8 @@ the same data for the same wall-clock budget; and EAGLE-3's peak training memory
         [--num-prompts 8] [--max-new-tokens 64] [--runs-dir runs/eagle3_ablation] [--memory]
         [--out benchmarks/eagle3_ablation.json]
 
-Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides, trained by
+Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides (the `d_` ones: one factor
+at a time from the shipped EAGLE-3 default; the `e3_frozen` ones from the default of stop 23), trained by
 scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
 lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
 end (its drafter is what is measured). With `--concurrent N`, N variants train at once with one thread each,
@@ -69,6 +70,13 @@ VARIANTS = {
     "e3_frozen_ttt3": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_steps=3"]),
     "e3_default": ("eagle3", []),  # recipes/eagle3/tiny-code.yaml as shipped, set from the variants above
     "eagle1_rep": ("eagle1", []),  # EAGLE-1 again, same seed: what contention alone changes
+    # one factor at a time from the shipped default (head frozen, fc_norm, TTT ramp 1, KL, draft vocabulary 2048)
+    "d_random_head": ("eagle3", ["eagle.head_init=random"]),
+    "d_trainable_head": ("eagle3", ["eagle.head_init=trainable"]),
+    "d_no_fc_norm": ("eagle3", ["eagle.fc_norm=false"]),
+    "d_ttt_constant": ("eagle3", ["eagle.ttt_ramp=0.0"]),
+    "d_tv": ("eagle3", ["eagle.loss=tv"]),
+    "d_vocab_4096": ("eagle3", ["eagle.draft_vocab_size=4096"]),  # the target's mass on it: 0.95 against 0.89
     # screened (--screen), first one factor at a time from the recipe of stop 22 (STOP22), then combined
     "e3_stop22": ("eagle3", STOP22),
     "e3_ramp_0.5": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5"]),

@@ -7,18 +7,18 @@
 Each step picks the depth d that maximises the expected tokens per unit of step cost,
 
     E[tokens](d) = 1 + sum_{j=1..d} prod_{k=1..j} a_k        (bonus token included)
-    cost(d)      = v(n_d + 1) + o + c * d + a                 (in 1-token target forwards)
+    cost(d)      = r * v(n_d + 1) + c * d + a                 (in 1-token target forwards)
 
 where a_k is the running probability that the accepted path reaches depth k given that it reached k - 1,
 over drafts as deep as k (for a chain: the `acceptance_by_position` of decoding/metrics.py; in a tree a path
 that ends on a leaf counts as stopped, which the per-position acceptance leaves out), v the target's
-verify-cost curve, n_d the nodes up to depth d (d for a chain), o the decoder's own time per verification
-beyond the curve's forward (measured: the time from a draft's return to the verifier's answer, less
-v(n + 1)), c the drafter's time per depth level of `propose` and a its time per step in `accept` (where
-EAGLE runs its drafter over the accepted tokens: one forward per step, drafted or not). It is cost.py's
-speedup model with per-position acceptance instead of one alpha, since acceptance rises along a draft for
-copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder
-(cost 1 + o + a): where no draft pays for itself (a drafter slower than the tokens it saves, as small
+verify-cost curve, n_d the nodes up to depth d (d for a chain), r the decoder's measured verification time
+(from a draft's return to the verifier's answer: the forward with its tree mask, the accept rule, the
+rollback) over what the curve prices it at, c the drafter's time per depth level of `propose` and a its
+time per step in `accept` (where EAGLE runs its drafter over the accepted tokens: one forward per step,
+drafted or not). It is cost.py's speedup model with per-position acceptance instead of one alpha, since
+acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder
+(cost r + a): where no draft pays for itself (a drafter slower than the tokens it saves, as small
 drafters are on a CPU), the wrapper stops drafting. The estimates decay (`decay` per step, drafted or
 not) towards a prior that extends the previous position's rate, so a position that a short gamma (or no
 draft) stopped observing drifts back and gets tried again.
@@ -73,10 +73,10 @@ class AdaptiveGamma(Proposer):
         self.reached = [0.0] * (self.max_gamma + 1)
         self.nodes = [0.0] * (self.max_gamma + 1)  # decayed sums of the drafts' nodes up to depth d
         self.seen = [0.0] * (self.max_gamma + 1)  # decayed count of drafts that reached depth d
-        # decayed seconds and what they are per: propose per depth level, accept per step, the decoder per verification
+        # decayed seconds and what they are per: propose per depth level, accept per step, verification per its price
         self.propose_s, self.levels, self.drafts = 0.0, 0.0, 0.0
         self.accept_s, self.steps = 0.0, 0.0
-        self.overhead_s, self.verifies = 0.0, 0.0
+        self.verify_s, self.priced_s = 0.0, 0.0
         self.proposed: tuple[float, int] | None = None  # (when the current draft was handed over, its nodes)
         self.gammas: list[int] = []  # the depth chosen at each step (for benchmarks)
 
@@ -113,19 +113,19 @@ class AdaptiveGamma(Proposer):
         """The drafter's accept time per step, in 1-token target forwards."""
         return self._per(self.accept_s, self.steps)
 
-    def o(self) -> float:
-        """The decoder's time per verification beyond the curve's forward, in 1-token target forwards (>= 0)."""
-        return max(0.0, self._per(self.overhead_s, self.verifies))
+    def r(self) -> float:
+        """The decoder's measured verification time over the curve's price of it (1 until measured)."""
+        return self.verify_s / self.priced_s if self.priced_s else 1.0
 
     def best_depth(self, nodes: list[float], drafting: list[float]) -> int:
-        """argmax over d >= 0 of E[tokens](d) / (v(nodes[d - 1] + 1) + o + a + drafting[d - 1]); nodes[d - 1] =
+        """argmax over d >= 0 of E[tokens](d) / (r v(nodes[d - 1] + 1) + a + drafting[d - 1]); nodes[d - 1] =
         nodes up to depth d, drafting[d - 1] the drafter's cost of a depth-d draft; d = 0 drafts nothing."""
-        fixed = self.o() + self.a()
-        best, best_rate, tokens, survive = 0, 1.0 / (1.0 + fixed), 1.0, 1.0
+        r, accept = self.r(), self.a()
+        best, best_rate, tokens, survive = 0, 1.0 / (r + accept), 1.0, 1.0
         for d, (a, n, c) in enumerate(zip(self.acceptance(), nodes, drafting, strict=False), 1):
             survive *= a
             tokens += survive
-            rate = tokens / (verify_cost(self.rel, n + 1) + fixed + c)
+            rate = tokens / (r * verify_cost(self.rel, n + 1) + accept + c)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
@@ -168,11 +168,10 @@ class AdaptiveGamma(Proposer):
     def accept(self, ids: torch.Tensor, verified: Verified) -> None:
         t0 = time.perf_counter()
         if verified.tree is not None:  # a step (the prefill's accept is neither priced nor observed)
-            if self.proposed is not None:  # the decoder's time since the draft was handed over, beyond the forward
+            if self.proposed is not None and self.plain_step_s:  # the decoder's time since the draft was handed over
                 handed, n = self.proposed
-                self.overhead_s = self.overhead_s * self.decay + t0 - handed - self.plain_step_s * verify_cost(
-                    self.rel, n + 1)
-                self.verifies = self.verifies * self.decay + 1
+                self.verify_s = self.verify_s * self.decay + t0 - handed
+                self.priced_s = self.priced_s * self.decay + self.plain_step_s * verify_cost(self.rel, n + 1)
             accepted, height = len(verified.path), layout(verified.tree.parents).height
             for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, the draft has k)
                 self.passed[k] = self.passed[k] * self.decay + (k <= accepted)

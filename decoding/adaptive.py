@@ -17,9 +17,9 @@ verify-cost curve, n_d the nodes up to depth d (d for a chain), r the decoder's 
 rollback) over what the curve prices it at, c the drafter's time per depth level of `propose` and a its
 time per step in `accept` (where EAGLE runs its drafter over the accepted tokens: one forward per step,
 drafted or not). It is cost.py's speedup model with per-position acceptance instead of one alpha, since
-acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder
-(cost r + a): where no draft pays for itself (a drafter slower than the tokens it saves, as small
-drafters are on a CPU), the wrapper stops drafting. The estimates decay (`decay` per step, drafted or
+acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one
+plain step through the decoder (cost r + a): where no draft pays for itself (a drafter slower than the
+tokens it saves, as small drafters are on a CPU), the wrapper stops drafting. The estimates decay (`decay` per step, drafted or
 not) towards a prior that extends the previous position's rate, so a position that a short gamma (or no
 draft) stopped observing drifts back and gets tried again.
 
@@ -143,7 +143,7 @@ class AdaptiveGamma(Proposer):
         depths = range(1, self.max_gamma + 1)
         # a knob drafts d levels; a cut draft costs its whole (mean) height whatever depth it is cut to
         height = self.levels / self.drafts if self.drafts else 1.0
-        d = self.best_depth(self.expected_nodes(), [self.c() * (d if self.knob else height) for d in depths])
+        d = self.best_depth(self.expected_nodes(), [self.c() * (k if self.knob else height) for k in depths])
         if d == 0:
             tree = DraftTree.empty(ids.device)
         else:

@@ -279,7 +279,7 @@ def collate_features(rows: list[Mapping]) -> dict[str, torch.Tensor]:
     s = batch["input_ids"].shape[1]
     for key in ("hidden", "aux", *TEACHER_KEYS):
         if key in rows[0]:
-            feats = [r[key] for r in rows]  # each [len, D] or [len]
-            pad = (0, 0, 0, s) if feats[0].dim() == 2 else (0, s)
-            batch[key] = torch.stack([torch.nn.functional.pad(x, pad[:-1] + (s - x.shape[0],)) for x in feats])
+            feats = [r[key] for r in rows]  # each [len, D] or [len]: padded along the first dimension to s
+            batch[key] = torch.stack([torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, s - x.shape[0]))
+                                      for x in feats])
     return batch

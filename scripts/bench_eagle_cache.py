@@ -103,10 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
         "offline_speedup_cpu": round(on["cpu_per_step"] / off["cpu_per_step"], 3),
         # where a token's CPU time goes: offline is the drafter's own step (its TTT forwards and backwards, the
         # teacher's head, the cache reads), and online adds the target's forward; the drafter's share bounds offline
-        "cpu_ms_per_token": {"online": round(1e3 * on["cpu_per_step"] * rows / (batch * tokens), 3),
-                             "drafter_step_offline": round(1e3 * off["cpu_per_step"] * rows / (batch * tokens), 3),
-                             "target_forward": round(1e3 * (on["cpu_per_step"] - off["cpu_per_step"]) * rows
-                                                     / (batch * tokens), 3)},
+        "cpu_ms_per_token": {k: round(1e3 * step_s * rows / (batch * tokens), 3) for k, step_s in (
+            ("online", on["cpu_per_step"]), ("drafter_step_offline", off["cpu_per_step"]),
+            ("target_forward", on["cpu_per_step"] - off["cpu_per_step"]))},
         "bf16_cache_loss_max_abs_diff": round(max(abs(a - b) for a, b in zip(on["losses"], off["losses"], strict=True)), 6),
         "final_loss": {"online": on["losses"][-1], "offline": off["losses"][-1]},
     }

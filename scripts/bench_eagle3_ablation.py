@@ -107,12 +107,13 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def train_variant(name: str, run: Path, budget: float, threads: int | None = None) -> dict:
+def train_variant(name: str, run: Path, budget: float, target: str, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):
-        wall = bench.train(bench.BY_KEY[key], run, budget, str(REFERENCE_TARGET), overrides + COMMON, threads)
+        method = bench.for_target(bench.BY_KEY[key], target)  # a named target's own recipe
+        wall = bench.train(method, run, budget, target, overrides + COMMON, threads)
     record = bench.training_record(run, find_drafter(run), "eval/tau")
     return {"method": key, "overrides": overrides, "steps": record["steps"], "train_seconds": record["train_seconds"],
             "wall_seconds_with_evaluation": wall, "load_average_1min_at_start": load if wall else None}
@@ -221,8 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout-rows", type=int, default=32, help="--screen: held-out rows of the reference data")
     parser.add_argument("--memory", action="store_true", help="also measure peak training memory per token")
     parser.add_argument("--memory-target", default="", help="also measure it on this real target (e.g. gemma3-270m)")
+    parser.add_argument("--target", default=str(REFERENCE_TARGET),
+                        help="the reference target, or a named real one (smollm2-135m-instruct): its own recipes, "
+                             "held-out prompts and rows")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "eagle3_ablation.json")
     args = parser.parse_args(argv)
+    named = args.target in bench.TARGET_RECIPES
     board = json.loads(args.out.read_text()) if args.out.is_file() else {}
     board.setdefault("variants", {})
     section = "screen" if args.screen else "variants"
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     key = "screen_settings" if args.screen else "settings" if args.variants else "memory_settings"
     board[key] = board.get(key) if not (args.variants or args.memory) else {
         "command": command,
-        "target": str(REFERENCE_TARGET), "budget_minutes": args.budget_minutes,
+        "target": args.target, "budget_minutes": args.budget_minutes,
         **({"heldout_rows": args.heldout_rows, "steps": SCREEN_STEPS} if args.screen else
            {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS}),
         "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
@@ -239,13 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
             f"{args.concurrent} variants at once, one thread each" if args.concurrent > 1 else "torch's default threads")
         + "; decoding: 1 thread); the load average at each variant's start is recorded with it"}
     torch.set_num_threads(1)
-    target = load_target()
-    prompts = render_prompts(target.tokenizer, load_prompts(PROMPTS_PATH, args.num_prompts))
-    rows = heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout_rows) if args.screen else []
+    target = load_target(args.target)
+    real = REPO / "data" / "real" / args.target
+    prompts = render_prompts(target.tokenizer, load_prompts(real / "heldout_prompts.jsonl" if named else PROMPTS_PATH,
+                                                            args.num_prompts))
+    rows = heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout_rows,
+                        str(real / "heldout.jsonl.gz") if named else "") if args.screen else []
     baselines: dict = {}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrent) as pool:  # groups of --concurrent start together and end together
-        trained = list(pool.map(lambda name: train_variant(name, args.runs_dir / name, args.budget_minutes,
+        trained = list(pool.map(lambda name: train_variant(name, args.runs_dir / name, args.budget_minutes, args.target,
                                                            1 if args.concurrent > 1 else None), args.variants))
     for name, entry in zip(args.variants, trained, strict=True):
         run = args.runs_dir / name

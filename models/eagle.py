@@ -27,8 +27,9 @@ position only (what the drafter's KV cache holds while drafting token k+1 at ser
 grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
-their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk under
-activation checkpointing, so peak memory grows with the draft vocabulary, not the target's.
+their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
+positions (default: the same) under activation checkpointing, so peak memory grows with the draft vocabulary,
+not the target's; `loss_chunk` 0 keeps a small draft vocabulary's logits instead of recomputing them.
 
 The token embedding is the target's own module, frozen with the target (a copy would be identical).
 
@@ -86,6 +87,7 @@ class EagleConfig:
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
     loss: Literal["kl", "tv"] = "kl"  # D per step: forward KL (soft CE) or total variation
     logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
+    loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk
 
     def __post_init__(self):
         for ok, key, why in [
@@ -99,6 +101,7 @@ class EagleConfig:
             (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
             (self.loss in ("kl", "tv"), "loss", "must be kl (forward KL) or tv (total variation)"),
             (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
+            (self.loss_chunk is None or self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0: the whole sequence)"),
             (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
             (self.feature_weight is None or self.feature_weight >= 0, "feature_weight", "must be >= 0"),
             (self.version == 3 or self.feature_weight != 0 or self.token_weight > 0, "feature_weight",
@@ -296,9 +299,9 @@ class Eagle(nn.Module):
         K, ramp = self.cfg.ttt_steps, self.cfg.ttt_ramp
         return min(K, 1 + int(self.progress() / ramp * (K - 1))) if ramp else K
 
-    def chunks(self, *xs: torch.Tensor) -> zip:
-        """The tensors [b, s, ...] cut into eagle.logit_chunk positions along the sequence, chunk by chunk."""
-        n = self.cfg.logit_chunk or xs[0].shape[1]
+    def chunks(self, *xs: torch.Tensor, n: int | None = None) -> zip:
+        """The tensors [b, s, ...] cut into n (default eagle.logit_chunk; 0: all) positions along the sequence."""
+        n = (self.cfg.logit_chunk if n is None else n) or xs[0].shape[1]
         return zip(*(x.split(n, 1) for x in xs), strict=True)
 
     @torch.no_grad()
@@ -337,11 +340,12 @@ class Eagle(nn.Module):
 
     def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`divergence` over chunks of positions, each recomputed in the backward (activation checkpointing), so
-        that draft logits [b, chunk, Vd] exist for one chunk at a time."""
-        recompute = self.cfg.logit_chunk and torch.is_grad_enabled()
+        """`divergence` over chunks of eagle.loss_chunk positions, each recomputed in the backward (activation
+        checkpointing), so that draft logits [b, chunk, Vd] exist for one chunk at a time; with 0, at once and kept."""
+        n = self.cfg.logit_chunk if self.cfg.loss_chunk is None else self.cfg.loss_chunk
+        recompute = n and torch.is_grad_enabled()
         parts = [checkpoint(self.divergence, o, q, m, use_reentrant=False) if recompute else self.divergence(o, q, m)
-                 for o, q, m in self.chunks(out, p, mass)]
+                 for o, q, m in self.chunks(out, p, mass, n=n)]
         return tuple(torch.cat(x, 1) for x in zip(*parts, strict=True))
 
     def ttt(self, batch: dict, steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:

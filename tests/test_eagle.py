@@ -234,11 +234,13 @@ def test_ttt_ramp_grows_the_unrolled_steps_from_1_to_ttt_steps():
 
 
 @pytest.mark.parametrize("version,loss", [(3, "kl"), (3, "tv"), (1, "kl")])
-def test_chunked_logits_give_the_same_loss_and_gradients(version, loss):
-    """logit_chunk 5 (not dividing the sequence) against the whole sequence at once: same loss, metrics, gradients."""
+@pytest.mark.parametrize("logit_chunk,loss_chunk", [(5, None), (5, 0), (0, 4)])
+def test_chunked_logits_give_the_same_loss_and_gradients(version, loss, logit_chunk, loss_chunk):
+    """Chunks of 5 or 4 positions (not dividing the sequence) for the teacher's logits and/or the draft loss against
+    the whole sequence at once: same loss, metrics, gradients."""
     results = []
-    for chunk in (0, 5):
-        m = method(version, ttt_steps=3, draft_ids=torch.arange(0, V, 3), loss=loss, logit_chunk=chunk).train()
+    for chunks in ({"logit_chunk": 0}, {"logit_chunk": logit_chunk, "loss_chunk": loss_chunk}):
+        m = method(version, ttt_steps=3, draft_ids=torch.arange(0, V, 3), loss=loss, **chunks).train()
         value, metrics = m.ttt(batch(b=2, s=13))
         value.backward()
         results.append((value, metrics, {n: p.grad for n, p in m.drafter.named_parameters() if p.requires_grad}))

@@ -24,7 +24,7 @@ import time
 import torch
 
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.generate import LazyLogits, lazy_head
+from draftsmith.decoding.generate import LazyLogits, decoder_forward, lazy_head
 
 KS = (1, 2, 4, 8, 16, 32)
 GAMMAS = range(1, 9)  # chain lengths the speedup model considers
@@ -43,12 +43,12 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
     """
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    lazy = lazy_head(model, device)
-    forward = model.base_model if lazy else model
+    lazy, forward = lazy_head(model, device), decoder_forward(model, device)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g, device=device)  # [1, context + K]
     cache = kv.new_cache()
-    forward(input_ids=ids[:, :context], cache=cache, use_cache=True)  # the context (no [context, V] logits)
+    forward(input_ids=ids[:, :context], position_ids=torch.arange(context, device=device)[None], cache=cache,
+            use_cache=True)  # the context (no [context, V] logits)
     times: dict[int, list[float]] = {k: [] for k in ks}
     order = list(ks)
     rng = random.Random(seed)

@@ -4,7 +4,8 @@
 
 Any Hugging Face causal LM works as the target: the tree is scored through the model's normal
 forward with a 4-D additive mask (a dict of masks per layer type for models with sliding-window
-layers) and explicit position ids. Batch size 1.
+layers) and explicit position ids; on a CPU, covered architectures run the same modules through
+`lean.LeanForward`, without Hugging Face's per-forward machinery (`decoder_forward`). Batch size 1.
 
 Counting (the EAGLE / Medusa / Spec-Bench convention): the prompt's last token is not prefilled
 but fed as the root of the first verification, so every target forward after the prefill is a
@@ -28,6 +29,7 @@ import weakref
 import torch
 
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.lean import lean_forward
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
 from draftsmith.decoding.tree import layout, tree_attention_mask
@@ -41,6 +43,14 @@ PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_te
 def lazy_head(target, device: torch.device) -> bool:
     """Whether the decoder runs the target's body alone and its head lazily (`LazyLogits`): on a CPU."""
     return target.config.model_type in PLAIN_HEAD and device.type == "cpu"
+
+
+def decoder_forward(target, device: torch.device, compile: bool = False):
+    """What the decoder runs per forward: with a lazy head the body alone, lean where covered (decoding/lean.py;
+    not under `compile`), else the model's own `base_model`; otherwise the whole model."""
+    if not lazy_head(target, device):
+        return target
+    return (None if compile else lean_forward(target)) or target.base_model
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward -> its torch.compile'd version
@@ -142,13 +152,14 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()
+    body = decoder_forward(target, device, compile)
     prefill = None
     if ids.numel() > 1:
-        prefill = target(input_ids=ids[None, :-1], cache=cache, use_cache=True,
-                         output_hidden_states=bool(layers))
+        prefill = body(input_ids=ids[None, :-1], position_ids=torch.arange(ids.numel() - 1, device=device)[None],
+                       cache=cache, use_cache=True, output_hidden_states=bool(layers))
     proposer.reset()
     hook = getattr(proposer, "target_forward", None)  # optional, see the module docstring
-    forward = (hook(cache) if hook else None) or (target.base_model if lazy else target)
+    forward = (hook(cache) if hook else None) or body
     forward = compiled(forward) if compile else forward
     proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
     new, stopped, done, end = 0, False, None, start  # done: the output once this sequence is finished

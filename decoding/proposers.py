@@ -41,6 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import DRAFTER_FILE
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding.lean import lean_forward
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, sample, warp
 
@@ -101,9 +102,16 @@ class DraftModel(Proposer):
     def reset(self) -> None:
         self.cache = kv.new_cache()
         self.cached = torch.zeros(0, dtype=torch.long)  # tokens whose KV the draft cache holds
+        self.lean = lean_forward(self.model) if self.model.device.type == "cpu" else None  # decoding/lean.py
 
     def _logits(self, feed: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids=feed[None], cache=self.cache, use_cache=True).logits[0, -1]  # [V']
+        if self.lean is None:
+            logits = self.model(input_ids=feed[None], cache=self.cache, use_cache=True).logits[0, -1]  # [V']
+        else:  # the body, then the head over the last position only
+            past = self.cache.get_seq_length()
+            pos = torch.arange(past, past + feed.numel(), device=feed.device)[None]  # [1, f]
+            h = self.lean(input_ids=feed[None], position_ids=pos, cache=self.cache).last_hidden_state[0, -1]  # [H]
+            logits = self.model.get_output_embeddings()(h)  # [V']
         V = self.vocab_size
         if logits.numel() >= V:
             return logits[:V]

@@ -29,8 +29,10 @@ COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_lay
 CONFIGS = {
     "llama": lambda: T.LlamaConfig(**COMMON),
     "qwen2": lambda: T.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen2_full": lambda: T.Qwen2Config(**COMMON),  # full attention with q/k/v biases: decoding/lean.py
     "qwen3": lambda: T.Qwen3Config(**COMMON, head_dim=8),
     "mistral": lambda: T.MistralConfig(**COMMON, sliding_window=8),
+    "mistral_full": lambda: T.MistralConfig(**COMMON, sliding_window=None),
     "gemma2": lambda: T.Gemma2Config(**COMMON, head_dim=8, sliding_window=8),
     "gemma3": lambda: T.Gemma3TextConfig(**COMMON, head_dim=8, sliding_window=8, sliding_window_pattern=2),
     "gpt2": lambda: T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256,

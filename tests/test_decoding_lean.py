@@ -1,0 +1,78 @@
+"""decoding/lean.py: the lean body gives the model's own hidden states and cache, bit for bit, over a prefill,
+a chain after it, a tree with its mask and a single token; it covers exactly the architectures it claims."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from draftsmith.decoding import cache as kv
+from draftsmith.decoding.generate import attention_masks
+from draftsmith.decoding.lean import lean_forward
+from tests.test_decoding_generate import COMMON, CONFIGS, build
+
+COVERED = ["llama", "qwen2_full", "qwen3", "mistral_full"]
+
+
+@pytest.mark.parametrize("arch", COVERED)
+def test_lean_body_equals_the_models_own(arch):
+    model = build(arch)
+    if arch == "qwen2_full":  # random biases, so that leaving one out would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    lean = lean_forward(model)
+    assert lean is not None
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(0))
+    parents = torch.tensor([-1, 0, 0, 1])  # a tree under the root: nodes 0 and 1 are siblings
+    steps = [(ids[:, :12], None), (ids[:, 12:15], None), (ids[:, 15:20], "tree"), (ids[:, 19:20], None)]
+    caches, outs = {}, {}
+    with torch.no_grad():
+        for name, forward in (("hf", model.base_model), ("lean", lean)):
+            cache, outs[name] = kv.new_cache(), []
+            for x, tree in steps:
+                past = cache.get_seq_length()
+                depth = torch.tensor([0, 1, 1, 2, 3]) if tree else torch.arange(x.shape[1])
+                mask = attention_masks(model.config, parents, past, model.dtype) if tree else None
+                out = forward(input_ids=x, position_ids=(past + depth)[None], attention_mask=mask, cache=cache,
+                              use_cache=True, output_hidden_states=True)
+                outs[name].append([out.last_hidden_state, *out.hidden_states])
+                if tree:
+                    kv.keep(cache, past, [0, 2, 4])  # root, node 1, node 3 (a path through the tree)
+            caches[name] = cache
+    for a, b in zip(outs["hf"], outs["lean"], strict=True):
+        assert len(a) == len(b) == COMMON["num_hidden_layers"] + 2
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    for a, b in zip(caches["hf"].layers, caches["lean"].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("arch", sorted(set(CONFIGS) - set(COVERED)))
+def test_other_architectures_keep_their_own_forward(arch):
+    """Sliding-window layers (Mistral, Qwen2 with a window), Gemma's norms and soft-caps, GPT-2's layout."""
+    assert lean_forward(build(arch)) is None
+
+
+def test_eager_attention_keeps_its_own_forward():
+    assert lean_forward(T.LlamaForCausalLM(T.LlamaConfig(**COMMON, attn_implementation="eager"))) is None
+
+
+def test_lora_adapters_stay_active():
+    """Medusa-2 verifies with its LoRA-adapted backbone (`medusa.verifier_model`): the lean body calls the adapted
+    modules, so it equals the adapted model's own body."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # B starts at zero: make the adapters change the output
+    model = peft.get_base_model()
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf, lean = (f(input_ids=ids, position_ids=torch.arange(9)[None], cache=kv.new_cache(), use_cache=True)
+                    for f in (model.base_model, lean_forward(model)))
+        plain = build("llama").base_model(input_ids=ids, use_cache=False)
+    assert torch.equal(hf.last_hidden_state, lean.last_hidden_state)
+    assert not torch.allclose(plain.last_hidden_state, lean.last_hidden_state)

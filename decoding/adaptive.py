@@ -27,7 +27,16 @@ Drafters with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma 
 PromptLookup.num_pred_tokens) draft at the chosen depth, so drafting time is saved too; n_d is then the
 running mean of the drafts' nodes up to depth d. Any other draft (Medusa's static tree, suffix trees) is
 drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time, c times its mean
-height, is spent anyway once it drafts, so the cut prices verification alone, with the draft's own n_d.
+height, is spent anyway once it drafts, so the cut adds the time it took to every depth alike, with the draft's
+own n_d.
+
+The model's errors are measured and corrected per depth: an EAGLE-2 tree of depth d is not a deeper tree
+cut at d (with a fixed node budget it is wider at every level), so acceptance pooled across depths misprices
+it, and a prompt-lookup draft of length d often finds no match at all. For the steps that chose depth d, the
+committed tokens over the tokens predicted and the predicted cost over the step's measured time (from
+`propose` to the end of `accept`), decayed like the estimates and shrunk towards depth d - 1's, multiply the
+predicted rate of depth d (`measured`).
+
 gamma depends only on past steps, never on the current draft's acceptance, so greedy output stays the
 target's and exact sampling stays exact.
 """
@@ -78,6 +87,11 @@ class AdaptiveGamma(Proposer):
         self.accept_s, self.steps = 0.0, 0.0
         self.verify_s, self.priced_s = 0.0, 0.0
         self.proposed: tuple[float, int] | None = None  # (when the current draft was handed over, its nodes)
+        # per chosen depth d, decayed: steps, committed tokens and step seconds measured, and the model's predictions
+        self.chosen = [0.0] * (self.max_gamma + 1)
+        self.got, self.expected = [0.0] * (self.max_gamma + 1), [0.0] * (self.max_gamma + 1)
+        self.spent, self.priced = [0.0] * (self.max_gamma + 1), [0.0] * (self.max_gamma + 1)
+        self.step: tuple[float, int, float, float] | None = None  # (start, depth, predicted tokens, predicted cost)
         self.gammas: list[int] = []  # the depth chosen at each step (for benchmarks)
 
     @property
@@ -117,17 +131,32 @@ class AdaptiveGamma(Proposer):
         """The decoder's measured verification time over the curve's price of it (1 until measured)."""
         return self.verify_s / self.priced_s if self.priced_s else 1.0
 
+    def measured(self) -> list[float]:
+        """Per depth d = 0..max: what steps at depth d achieved over what the model predicted for them, (tokens
+        got / expected) x (cost priced / spent), shrunk by `prior` pseudo-steps towards depth d - 1's (1 for d = 0),
+        as the acceptance is: a depth never chosen takes its shallower neighbour's correction."""
+        out, prev, m = [], 1.0, self.prior
+        for n, got, expected, spent, priced in zip(self.chosen, self.got, self.expected, self.spent, self.priced,
+                                                   strict=True):
+            ratio = (got / expected) * (priced / spent if spent and priced else 1.0) if n else prev
+            prev = (n * ratio + m * prev) / (n + m)
+            out.append(prev)
+        return out
+
     def best_depth(self, nodes: list[float], drafting: list[float]) -> int:
-        """argmax over d >= 0 of E[tokens](d) / (r v(nodes[d - 1] + 1) + a + drafting[d - 1]); nodes[d - 1] =
-        nodes up to depth d, drafting[d - 1] the drafter's cost of a depth-d draft; d = 0 drafts nothing."""
+        """argmax over d >= 0 of E[tokens](d) / (r v(nodes[d - 1] + 1) + a + drafting[d - 1]), times `measured()[d]`;
+        nodes[d - 1] = nodes up to depth d, drafting[d - 1] the drafter's cost of a depth-d draft; d = 0 drafts
+        nothing. Keeps the chosen depth's prediction for `measured`."""
         r, accept = self.r(), self.a()
-        best, best_rate, tokens, survive = 0, 1.0 / (r + accept), 1.0, 1.0
-        for d, (a, n, c) in enumerate(zip(self.acceptance(), nodes, drafting, strict=False), 1):
+        predicted = [(1.0, r + accept)]  # (E[tokens], cost) per depth
+        tokens, survive = 1.0, 1.0
+        for a, n, c in zip(self.acceptance(), nodes, drafting, strict=False):
             survive *= a
             tokens += survive
-            rate = tokens / (r * verify_cost(self.rel, n + 1) + accept + c)
-            if rate > best_rate:
-                best, best_rate = d, rate
+            predicted.append((tokens, r * verify_cost(self.rel, n + 1) + accept + c))
+        measured = self.measured()
+        best = max(range(len(predicted)), key=lambda d: predicted[d][0] / predicted[d][1] * measured[d])
+        self.step = (self.step[0] if self.step else time.perf_counter(), best, *predicted[best])
         return best
 
     def expected_nodes(self) -> list[float]:
@@ -141,6 +170,7 @@ class AdaptiveGamma(Proposer):
 
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
         depths = range(1, self.max_gamma + 1)
+        self.step = None  # set by best_depth: this step's start, depth and prediction
         # a knob drafts d levels; a cut draft costs its whole (mean) height whatever depth it is cut to
         height = self.levels / self.drafts if self.drafts else 1.0
         d = self.best_depth(self.expected_nodes(), [self.c() * (k if self.knob else height) for k in depths])
@@ -159,8 +189,9 @@ class AdaptiveGamma(Proposer):
                 self.nodes[k], self.seen[k] = self.nodes[k] * self.decay, self.seen[k] * self.decay
                 if k <= lay.height:
                     self.nodes[k], self.seen[k] = self.nodes[k] + nodes[k - 1], self.seen[k] + 1
-            if len(tree) and not self.knob:
-                tree = tree.truncate(self.best_depth(nodes, [0.0] * self.max_gamma))
+            if len(tree) and not self.knob:  # its drafting time is spent whatever the cut: priced alike for all
+                sunk = self._per(time.perf_counter() - t0, 1.0)
+                tree = tree.truncate(self.best_depth(nodes, [sunk] * self.max_gamma))
         self.gammas.append(layout(tree.parents).height)
         self.proposed = (time.perf_counter(), len(tree))
         return tree
@@ -180,5 +211,18 @@ class AdaptiveGamma(Proposer):
         t1 = time.perf_counter()
         self.proposer.accept(ids, verified)
         if verified.tree is not None:
-            self.accept_s = self.accept_s * self.decay + time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.accept_s = self.accept_s * self.decay + t2 - t1
             self.steps = self.steps * self.decay + 1
+            if self.step is not None:  # the whole step against its prediction, at the depth it was chosen for
+                start, d, tokens, cost = self.step
+                for k in range(self.max_gamma + 1):
+                    for stat in (self.chosen, self.got, self.expected, self.spent, self.priced):
+                        stat[k] *= self.decay
+                self.chosen[d] += 1
+                self.got[d] += len(verified.path) + 1
+                self.expected[d] += tokens
+                if self.plain_step_s:
+                    self.spent[d] += (t2 - start) / self.plain_step_s
+                    self.priced[d] += cost
+                self.step = None

@@ -149,7 +149,8 @@ def eval_section(target_path: str, drafter: str) -> dict:
 
 
 @torch.no_grad()
-def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new: int) -> dict:
+def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new: int,
+                     only: list[str] | None = None) -> dict:
     prompts = render_prompts(tokenizer, load_prompts(PROMPTS_PATH, limit=num_prompts))
     curve = verify_cost_curve(target)
     rel, plain_step_s = relative(curve), curve[1]
@@ -167,6 +168,8 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
     out = {"verify_cost_relative": {str(k): v for k, v in rel.items()}, "num_prompts": len(prompts),
            "max_new_tokens": new, "prompts": str(PROMPTS_PATH)}
     for name, (make, knob, depths) in drafters.items():
+        if only and name not in only:
+            continue
         start_load = os.getloadavg()
         variants = {f"fixed_{g}": make(g) for g in depths}
         variants["adaptive"] = AdaptiveGamma(make(max(depths)), rel, plain_step_s, knob=knob)
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--medusa", default=str(REPO / "runs/medusa1-tiny-code/best"),
                         help="drafter of the eval section (the main job's best checkpoint); prompt lookup if absent")
     parser.add_argument("--eagle", help="an EAGLE run's best/ for the adaptive section")
+    parser.add_argument("--drafters", nargs="+", choices=["prompt_lookup", "draft_model", "eagle_chain", "eagle_tree"],
+                        help="adaptive section: only these drafters (default: all)")
     parser.add_argument("--compile", action="store_true", help="verify section: also with the forward compiled")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -250,12 +255,14 @@ def main(argv: list[str] | None = None) -> dict:
             out = eval_section(args.target, drafter)
             torch.set_num_threads(args.threads)
         elif section == "adaptive":
-            out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens)
+            out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens, args.drafters)
         else:
             out = profile_section(target, tokenizer, args.num_prompts, args.max_new_tokens)
         out["load_average"] = {"start": load_start, "end": os.getloadavg()}
         out["seconds"] = time.perf_counter() - start
         out["command"] = result["settings"]["command"]  # the sections of one file may come from different runs
+        if section == "adaptive" and args.drafters:  # some drafters: theirs replace those of an earlier run
+            out = {**result.get(section, {}), **out, **{n: {**out[n], "command": out["command"]} for n in args.drafters}}
         result[section] = out
         print(json.dumps({section: out}, indent=1)[:3000], flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,3 +135,27 @@ def test_the_drafting_cost_counts_the_drafters_accept_but_not_the_prefills():
     assert 2.0 <= proposer.a() < 4.0
     assert proposer.c() < 1.0  # proposing is quick: the sleep is in accept
     assert proposer.gammas == [1] * 6  # always right and cheap to propose: it drafts, though each step costs 3x
+
+
+class Narrow(Oracle):
+    """A tree: the Oracle's path beside a wrong first token. Drafted up to 2 deep the path is right, deeper only on
+    its first token, as an EAGLE-2 tree with a fixed node budget is narrower at every level the deeper it is."""
+
+    def propose(self, ids, sampling):
+        self.right = self.gamma if self.gamma <= 2 else 1
+        path = super().propose(ids, sampling).tokens.tolist()
+        return DraftTree.from_paths([path, [(path[0] + 1) % V]])[0]
+
+
+def test_a_tree_depth_the_pooled_acceptance_overrates_is_corrected_by_what_it_measured():
+    """Pooled over depths, position 2's acceptance mixes the right 2-deep trees with the wrong deeper ones, so the
+    model alone keeps trying depths 3+; the measured tokens per step at each depth move it to 2."""
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=150, min_new_tokens=150, do_sample=False)[0]
+    flat = {1: 1.0, 16: 1.0 + 15 * 0.05}
+    proposer = AdaptiveGamma(Narrow(ref, right=2, gamma=6), flat, knob="gamma")
+    out, _ = speculative_generate(target, proposer, x, 150)
+    assert torch.equal(out, ref[None, : out.shape[1]])
+    late = proposer.gammas[len(proposer.gammas) // 2:]
+    assert late.count(2) >= 0.7 * len(late), proposer.gammas

@@ -52,6 +52,7 @@ from draftsmith.models.eagle import load_eagle
 from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import bench
+from draftsmith.train.config import shipped
 from draftsmith.train.eagle import heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -245,11 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
         + "; decoding: 1 thread); the load average at each variant's start is recorded with it"}
     torch.set_num_threads(1)
     target = load_target(args.target)
-    real = REPO / "data" / "real" / args.target
-    prompts = render_prompts(target.tokenizer, load_prompts(real / "heldout_prompts.jsonl" if named else PROMPTS_PATH,
-                                                            args.num_prompts))
+    real = f"data/real/{args.target}"  # a named target's shipped data
+    prompts = render_prompts(target.tokenizer, load_prompts(shipped(f"{real}/heldout_prompts.jsonl") if named
+                                                            else PROMPTS_PATH, args.num_prompts))
     rows = heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout_rows,
-                        str(real / "heldout.jsonl.gz") if named else "") if args.screen else []
+                        shipped(f"{real}/heldout.jsonl.gz") if named else "") if args.screen else []
     baselines: dict = {}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrent) as pool:  # groups of --concurrent start together and end together

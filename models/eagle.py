@@ -111,6 +111,8 @@ class EagleConfig:
                 raise ConfigError(f"eagle.{key}: {why}")
         if self.feature_weight is None:
             self.feature_weight = 1.0 if self.version == 1 else 0.0
+        if self.loss_chunk is None:
+            self.loss_chunk = self.logit_chunk
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -342,7 +344,7 @@ class Eagle(nn.Module):
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`divergence` over chunks of eagle.loss_chunk positions, each recomputed in the backward (activation
         checkpointing), so that draft logits [b, chunk, Vd] exist for one chunk at a time; with 0, at once and kept."""
-        n = self.cfg.logit_chunk if self.cfg.loss_chunk is None else self.cfg.loss_chunk
+        n = self.cfg.loss_chunk
         recompute = n and torch.is_grad_enabled()
         parts = [checkpoint(self.divergence, o, q, m, use_reentrant=False) if recompute else self.divergence(o, q, m)
                  for o, q, m in self.chunks(out, p, mass, n=n)]

@@ -24,7 +24,7 @@ import time
 import torch
 
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.generate import LazyLogits, decoder_forward, lazy_head
+from draftsmith.decoding.generate import LazyLogits, decoder_forward, lazy_head, lm_head
 
 KS = (1, 2, 4, 8, 16, 32)
 GAMMAS = range(1, 9)  # chain lengths the speedup model considers
@@ -59,7 +59,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
             t0 = time.perf_counter()
             out = forward(input_ids=ids[:, context:context + k], position_ids=pos, cache=cache, use_cache=True)
             if lazy:
-                LazyLogits(model, out.last_hidden_state[0])[0]  # rows [0, min(k, 2))
+                LazyLogits(model, out.last_hidden_state[0], lm_head(model, forward))[0]  # rows [0, min(k, 2))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t0)

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding.lean import lean_forward
+from draftsmith.decoding.lean import LeanForward, lean_forward
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import NoDraft, Proposer, Verified
 from draftsmith.decoding.tree import layout, tree_attention_mask
@@ -51,6 +51,11 @@ def decoder_forward(target, device: torch.device, compile: bool = False):
     if not lazy_head(target, device):
         return target
     return (None if compile else lean_forward(target)) or target.base_model
+
+
+def lm_head(target, body):
+    """The head the decoder applies to the hidden states of `body` (from `decoder_forward`): the lean one's there."""
+    return body.head if isinstance(body, LeanForward) else target.get_output_embeddings()
 
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # forward -> its torch.compile'd version
@@ -77,8 +82,8 @@ class LazyLogits:
     matmul, so a path through rows 0..m reads the head about log2(m) times and computes at most 2m rows.
     """
 
-    def __init__(self, target, hidden: torch.Tensor):
-        self.hidden, self.head = hidden, target.get_output_embeddings()  # hidden [n+1, H]
+    def __init__(self, target, hidden: torch.Tensor, head=None):
+        self.hidden, self.head = hidden, head or target.get_output_embeddings()  # hidden [n+1, H]
         self.cap = getattr(target.config, "final_logit_softcapping", None)
         self.rows: dict[int, torch.Tensor] = {}
 
@@ -153,6 +158,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     start = _clock(device)
     cache = kv.new_cache()
     body = decoder_forward(target, device, compile)
+    head = lm_head(target, body) if lazy else None
     prefill = None
     if ids.numel() > 1:
         prefill = body(input_ids=ids[None, :-1], position_ids=torch.arange(ids.numel() - 1, device=device)[None],
@@ -179,7 +185,7 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
             input_ids=tokens, position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
             attention_mask=None if shape.chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))
-        logits = LazyLogits(target, out.last_hidden_state[0]) if lazy else out.logits[0]  # [n+1, V] rows
+        logits = LazyLogits(target, out.last_hidden_state[0], head) if lazy else out.logits[0]  # [n+1, V] rows
         path, bonus = verify(tree, logits, sampling, rule)
         kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
         kv.keep(cache, cache_len, kept)

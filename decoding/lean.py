@@ -7,25 +7,30 @@
 A small target's forward over a few tokens on a CPU is mostly fixed cost: its matmuls read the weights once
 (memory-bound at 1-5 tokens), and the rest is Hugging Face's Python around them (the kwargs decorators of
 every layer and attention, output capture, the causal-mask builder, the attention dispatch) and one op per
-projection. This runs the same norms, rotary embedding and MLP activation and the same
-`sdpa_attention_forward` with the same inputs in one plain loop over the layers, with q/k/v and the MLP's
-gate/up each as one matmul over their weights concatenated (built when the forward is made: one decode call),
-writing into the same `DynamicCache` (so `cache.keep` rolls it back as before). The result is bit-identical
-(tests/test_decoding_lean.py). A projection that is not a plain `nn.Linear` (a LoRA layer) is called as a
-module instead. Covered: Llama, Mistral, Qwen2 and Qwen3 with full attention in every layer (no sliding
-window), sdpa attention, and no forward hooks in the body (FSDP, DeepSpeed ZeRO-3 gather their shards in
-hooks); anything else keeps the model's own forward. `hidden_states` follows Hugging Face's convention:
+projection. This runs the same computation in one plain loop over the layers with fewer ops: q/k/v and the
+MLP's gate/up each as one matmul over their weights concatenated, q and k rotated together, float32 RMSNorm as
+`F.rms_norm`, grouped-query attention as one `scaled_dot_product_attention` with `enable_gqa` (no repeated
+keys and values), writing into the same `DynamicCache` (so `cache.keep` rolls it back as before). The
+projections whose output is at least as wide as their input (q/k/v, o, gate/up, and the LM head as `head`)
+read transposed copies of their weights (`Fused`), which a CPU matmul over 1-3 rows reads up to twice as fast.
+The result equals the model's own forward to float32 rounding (bit for bit from 4 rows where we measured;
+tests/test_decoding_lean.py), the same kind of difference as between Hugging Face's forward over 1 row and
+over 2. The copies (about the model's size again) are built once per model and rebuilt when a parameter
+changes (an optimizer step, a loaded state dict). A projection that is not a plain `nn.Linear` (a LoRA layer)
+is called as a module instead. Covered: Llama, Mistral, Qwen2 and Qwen3 with full attention in every layer (no
+sliding window), sdpa attention, and no forward hooks in the model (FSDP, DeepSpeed ZeRO-3 gather their shards
+in hooks); anything else keeps the model's own forward. `hidden_states` follows Hugging Face's convention:
 entry i is the input to layer i, the last one the output after the final norm.
 """
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 LEAN = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -37,54 +42,75 @@ def _full_attention(config) -> bool:
 
 
 def lean_forward(target) -> LeanForward | None:
-    """A `LeanForward` over the target's body where it is covered (module docstring), else None."""
+    """A `LeanForward` over the target's body where it is covered (module docstring), else None; the same object
+    for the same body while its parameters are unchanged."""
     config, body = target.config, target.base_model
     if config.model_type not in LEAN or not _full_attention(config) or config._attn_implementation != "sdpa":
         return None
     if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "rotary_emb", "norm")):
         return None  # not the transformers layout this was read from
-    if any(m._forward_pre_hooks or m._forward_hooks for m in body.modules()):
+    if any(m._forward_pre_hooks or m._forward_hooks for m in target.modules()):
         return None
-    return LeanForward(body)
+    version = [(id(p), p._version) for p in target.parameters()]
+    cached = _BUILT.get(target)
+    if cached is None or cached[0] != version:
+        _BUILT[target] = cached = version, LeanForward(target)
+    return cached[1]
+
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its parameters' versions, LeanForward)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as Hugging Face applies it: x [b, h, q, d], cos / sin [b, 1, q, d]."""
+    """Rotary embedding as Hugging Face applies it: x [..., d], cos / sin broadcast to it."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+def _norm(module: nn.Module):
+    """An RMSNorm's forward; `F.rms_norm` for a float32 Llama-style one (the same result, one op)."""
+    if type(module).__name__.endswith("RMSNorm") and module.weight.dtype == torch.float32:
+        shape, weight, eps = module.weight.shape, module.weight, module.variance_epsilon
+        return lambda x: F.rms_norm(x, shape, weight, eps)
+    return module.forward
+
+
 class Fused:
-    """Linear modules applied to the same input as one matmul over their concatenated weights (and biases), split
-    after; modules that are not plain `nn.Linear` (LoRA layers) are run one by one."""
+    """Linear modules applied to the same input as one matmul over their concatenated weights (and biases), held
+    transposed: on a CPU a [k, in] x [in, out] matmul with out >= in reads the weights up to twice as fast at 1-3
+    rows as `F.linear`'s [out, in] (the same result at 4 rows and more, the same rounding error below). Modules
+    that are not plain `nn.Linear` (LoRA layers) are run one by one and their outputs concatenated."""
 
     def __init__(self, *modules: nn.Module):
         self.forwards = [m.forward for m in modules]
-        self.weight = self.bias = None
+        self.weight_t = self.bias = None
         if all(type(m) is nn.Linear for m in modules):
-            self.weight = torch.cat([m.weight for m in modules])  # [sum out, in]
+            self.weight_t = torch.cat([m.weight for m in modules]).t().contiguous()  # [in, sum out]
             if modules[0].bias is not None:
                 self.bias = torch.cat([m.bias for m in modules])
-            self.sizes = [m.out_features for m in modules]
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.weight is None:
-            return tuple(f(x) for f in self.forwards)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, -1)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            return torch.cat([f(x) for f in self.forwards], -1)
+        y = x.reshape(-1, x.shape[-1])  # [k, in]
+        y = y @ self.weight_t if self.bias is None else torch.addmm(self.bias, y, self.weight_t)
+        return y.view(*x.shape[:-1], -1)  # [..., sum out]
 
 
 class LeanForward:
     """The body of a covered target (module docstring): the same keyword arguments as its `base_model`. Modules
     run through their `forward`, skipping `nn.Module.__call__` (there are no hooks to run)."""
 
-    def __init__(self, body):
-        self.body = body
+    def __init__(self, target):
+        self.body = body = target.base_model
+        self.norm, self.head = _norm(body.norm), Fused(target.get_output_embeddings())  # head: [.., H] -> [.., V]
         self.layers = []
         for layer in body.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qk_norm = (a.q_norm.forward, a.k_norm.forward) if hasattr(a, "q_norm") else None  # Qwen3
-            self.layers.append((layer.input_layernorm.forward, Fused(a.q_proj, a.k_proj, a.v_proj), qk_norm, a,
-                                a.o_proj.forward, layer.post_attention_layernorm.forward,
+            qk_norm = (_norm(a.q_norm), _norm(a.k_norm)) if hasattr(a, "q_norm") else None  # Qwen3
+            heads = (a.config.num_attention_heads, a.config.num_key_value_heads, a.head_dim)
+            self.layers.append((_norm(layer.input_layernorm), Fused(a.q_proj, a.k_proj, a.v_proj), heads, qk_norm,
+                                a.scaling, Fused(a.o_proj), _norm(layer.post_attention_layernorm),
                                 Fused(mlp.gate_proj, mlp.up_proj), mlp.act_fn.forward, mlp.down_proj.forward))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
@@ -96,21 +122,26 @@ class LeanForward:
             attention_mask = attention_mask["full_attention"]
         if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
             attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)[None, None]
-        cos, sin = (x[:, None] for x in body.rotary_emb(h, position_ids))  # [1, 1, q, d] each
+        causal = attention_mask is None and q > 1  # a prefill
+        cos, sin = (x[:, :, None] for x in body.rotary_emb(h, position_ids))  # [1, q, 1, d] each
         hidden = [h] if output_hidden_states else None
-        for norm_1, qkv, qk_norm, a, o_proj, norm_2, gate_up, act, down_proj in self.layers:
-            qs, ks, vs = (t.view(1, q, -1, a.head_dim) for t in qkv(norm_1(h)))  # [1, q, heads, d]
-            if qk_norm:  # RMSNorm per head before the rotary embedding
-                qs, ks = qk_norm[0](qs), qk_norm[1](ks)
-            qs, ks, vs = (t.transpose(1, 2) for t in (qs, ks, vs))  # [1, heads, q, d]
-            ks, vs = cache.update(_rotate(ks, cos, sin), vs, a.layer_idx)  # [1, kv_heads, past + q, d]
-            o, _ = sdpa_attention_forward(a, _rotate(qs, cos, sin), ks, vs, attention_mask, scaling=a.scaling)
-            h = h + o_proj(o.reshape(1, q, -1))
-            g, u = gate_up(norm_2(h))
+        for layer_idx, layer in enumerate(self.layers):
+            norm_1, qkv, (n_q, n_kv, d), qk_norm, scaling, o_proj, norm_2, gate_up, act, down_proj = layer
+            x = qkv(norm_1(h)).view(1, q, n_q + 2 * n_kv, d)  # [1, q, heads: q | k | v, d]
+            if qk_norm:  # Qwen3: RMSNorm per head before the rotary embedding
+                qs, ks = (_rotate(norm(x[:, :, part]), cos, sin)
+                          for norm, part in zip(qk_norm, (slice(0, n_q), slice(n_q, -n_kv)), strict=True))
+            else:
+                qs, ks = _rotate(x[:, :, :-n_kv], cos, sin).split((n_q, n_kv), 2)
+            ks, vs = cache.update(ks.transpose(1, 2), x[:, :, -n_kv:].transpose(1, 2), layer_idx)  # [1, kv, past+q, d]
+            o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks, vs, attn_mask=attention_mask, scale=scaling,
+                                               is_causal=causal, enable_gqa=n_q != n_kv)  # [1, heads, q, d]
+            h = h + o_proj(o.transpose(1, 2).reshape(1, q, -1))
+            g, u = gate_up(norm_2(h)).chunk(2, -1)
             h = h + down_proj(act(g) * u)
             if hidden is not None:
                 hidden.append(h)
-        h = body.norm.forward(h)
+        h = self.norm(h)
         if hidden is not None:
             hidden[-1] = h
         return SimpleNamespace(last_hidden_state=h, hidden_states=hidden)

@@ -111,7 +111,7 @@ class DraftModel(Proposer):
             past = self.cache.get_seq_length()
             pos = torch.arange(past, past + feed.numel(), device=feed.device)[None]  # [1, f]
             h = self.lean(input_ids=feed[None], position_ids=pos, cache=self.cache).last_hidden_state[0, -1]  # [H]
-            logits = self.model.get_output_embeddings()(h)  # [V']
+            logits = self.lean.head(h[None])[0]  # [V']
         V = self.vocab_size
         if logits.numel() >= V:
             return logits[:V]

@@ -100,6 +100,12 @@ VARIANTS = {
     "eagle1_stop22": ("eagle1", ["loop.batch_size=8", "loop.lr=1e-3"]),  # EAGLE-1's recipe of stop 22
     "eagle1_batch_4": ("eagle1", ["loop.batch_size=4", "loop.lr=1e-3"]),
     "eagle1_batch_4_lr_2e-3": ("eagle1", ["loop.batch_size=4", "loop.lr=2e-3"]),
+    # stop 30, screened from the shipped default: EAGLE-1's input among the fused features (hidden_states[L], the
+    # target's final post-norm feature), and EAGLE-1's feature regression
+    "s_layers_248": ("eagle3", ["eagle.aux_layers=[2,4,8]"]),
+    "s_layers_468": ("eagle3", ["eagle.aux_layers=[4,6,8]"]),
+    "s_feature_weight": ("eagle3", ["eagle.feature_weight=1.0"]),
+    "s_layers_248_feature_weight": ("eagle3", ["eagle.aux_layers=[2,4,8]", "eagle.feature_weight=1.0"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

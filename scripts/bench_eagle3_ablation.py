@@ -106,6 +106,10 @@ VARIANTS = {
     "s_layers_468": ("eagle3", ["eagle.aux_layers=[4,6,8]"]),
     "s_feature_weight": ("eagle3", ["eagle.feature_weight=1.0"]),
     "s_layers_248_feature_weight": ("eagle3", ["eagle.aux_layers=[2,4,8]", "eagle.feature_weight=1.0"]),
+    # EAGLE-1's output: the target's whole head (frozen) read from features regressed towards the target's
+    "s_vocab_8192_feature_weight": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.feature_weight=1.0"]),
+    "s_layers_468_vocab_8192_feature_weight": ("eagle3", ["eagle.aux_layers=[4,6,8]", "eagle.draft_vocab_size=8192",
+                                                          "eagle.feature_weight=1.0"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

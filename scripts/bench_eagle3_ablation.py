@@ -110,6 +110,9 @@ VARIANTS = {
     "s_vocab_8192_feature_weight": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.feature_weight=1.0"]),
     "s_layers_468_vocab_8192_feature_weight": ("eagle3", ["eagle.aux_layers=[4,6,8]", "eagle.draft_vocab_size=8192",
                                                           "eagle.feature_weight=1.0"]),
+    # EAGLE-1's training regime: no unrolling, and with its feature noise
+    "s_ttt_1": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
+    "s_ttt_1_noise": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0", "eagle.feature_noise=0.2"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -44,6 +44,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
     g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     lazy, forward = lazy_head(model, device), decoder_forward(model, device)
+    head = lm_head(model, forward)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g, device=device)  # [1, context + K]
     cache = kv.new_cache()
@@ -59,7 +60,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
             t0 = time.perf_counter()
             out = forward(input_ids=ids[:, context:context + k], position_ids=pos, cache=cache, use_cache=True)
             if lazy:
-                LazyLogits(model, out.last_hidden_state[0], lm_head(model, forward))[0]  # rows [0, min(k, 2))
+                LazyLogits(model, out.last_hidden_state[0], head)[0]  # rows [0, min(k, 2))
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t0)

@@ -83,7 +83,7 @@ class LazyLogits:
     """
 
     def __init__(self, target, hidden: torch.Tensor, head=None):
-        self.hidden, self.head = hidden, head or target.get_output_embeddings()  # hidden [n+1, H]
+        self.hidden, self.head = hidden, target.get_output_embeddings() if head is None else head  # hidden [n+1, H]
         self.cap = getattr(target.config, "final_logit_softcapping", None)
         self.rows: dict[int, torch.Tensor] = {}
 

@@ -43,7 +43,7 @@ def _full_attention(config) -> bool:
 
 def lean_forward(target) -> LeanForward | None:
     """A `LeanForward` over the target's body where it is covered (module docstring), else None; the same object
-    for the same body while its parameters are unchanged."""
+    for the same target while its parameters are unchanged."""
     config, body = target.config, target.base_model
     if config.model_type not in LEAN or not _full_attention(config) or config._attn_implementation != "sdpa":
         return None
@@ -108,7 +108,8 @@ class LeanForward:
         for layer in body.layers:
             a, mlp = layer.self_attn, layer.mlp
             qk_norm = (_norm(a.q_norm), _norm(a.k_norm)) if hasattr(a, "q_norm") else None  # Qwen3
-            heads = (a.config.num_attention_heads, a.config.num_key_value_heads, a.head_dim)
+            n_q = a.config.num_attention_heads
+            heads = (n_q, n_q // a.num_key_value_groups, a.head_dim)
             self.layers.append((_norm(layer.input_layernorm), Fused(a.q_proj, a.k_proj, a.v_proj), heads, qk_norm,
                                 a.scaling, Fused(a.o_proj), _norm(layer.post_attention_layernorm),
                                 Fused(mlp.gate_proj, mlp.up_proj), mlp.act_fn.forward, mlp.down_proj.forward))

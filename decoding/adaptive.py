@@ -7,26 +7,32 @@
 Each step picks the depth d that maximises the expected tokens per unit of step cost,
 
     E[tokens](d) = 1 + sum_{j=1..d} prod_{k=1..j} a_k        (bonus token included)
-    cost(d)      = r * v(n_d + 1) + c * d + a                 (in 1-token target forwards)
+    cost(d)      = r * v(n_d + 1) + b + (c0 + c * d) + a      (in 1-token target forwards; cost(0) = r + a)
 
 where a_k is the running probability that the accepted path reaches depth k given that it reached k - 1,
 over drafts as deep as k (for a chain: the `acceptance_by_position` of decoding/metrics.py; in a tree a path
-that ends on a leaf counts as stopped, which the per-position acceptance leaves out), v the target's
-verify-cost curve, n_d the nodes up to depth d (d for a chain), r the decoder's measured verification time
-(from a draft's return to the verifier's answer: the forward with its tree mask, the accept rule, the
-rollback) over what the curve prices it at, c the drafter's time per depth level of `propose` and a its
-time per step in `accept` (where EAGLE runs its drafter over the accepted tokens: one forward per step,
-drafted or not). It is cost.py's speedup model with per-position acceptance instead of one alpha, since
-acceptance rises along a draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one
-plain step through the decoder (cost r + a): where no draft pays for itself (a drafter slower than the
-tokens it saves, as small drafters are on a CPU), the wrapper stops drafting. The estimates decay (`decay` per step, drafted or
-not) towards a prior that extends the previous position's rate, so a position that a short gamma (or no
-draft) stopped observing drifts back and gets tried again.
+that ends on a leaf counts as stopped, which the per-position acceptance leaves out; with a knob, over drafts
+asked for k or more, where a shorter draft, as prompt lookup's when it finds no match, stops the path), v the
+target's verify-cost curve, n_d the nodes up to depth d (d for a chain), r the decoder's measured verification
+time (from a draft's return to the verifier's answer: the forward with its tree mask, the accept rule, the
+rollback) over what the curve prices it at, c0 + c * d the drafter's `propose` time for a depth-d draft (a line
+fitted to the drafts' times by decayed least squares: prompt lookup's search costs the same at every depth,
+EAGLE's first level costs a head where the others add a drafter forward), b its time in the optional `catch_up`
+hook, called before a draft (EAGLE feeds its drafter the tokens committed since its last draft there, in one
+forward however many steps drafted nothing), measured on drafts that follow a draft (after steps without one
+it also does their deferred work, which drafting nothing never pays), and a its time per step in `accept`. It is cost.py's
+speedup model with per-position acceptance instead of one alpha, since acceptance rises along a draft for
+copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder (cost
+r + a; EAGLE's drafter skips such steps and catches up at its next draft): where no draft pays for itself (a
+drafter slower than the tokens it saves, as small drafters are on a CPU), the wrapper stops drafting. The
+estimates decay (`decay` per step, drafted or not) towards a prior: the rate of the position's own last
+observations, however old, so that what short drafts (or none) stop observing keeps its value; at position 1
+at least 1/2, so that a drafter no longer tried drifts back and gets tried again.
 
 Drafters with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma or tree depth,
 PromptLookup.num_pred_tokens) draft at the chosen depth, so drafting time is saved too; n_d is then the
 running mean of the drafts' nodes up to depth d. Any other draft (Medusa's static tree, suffix trees) is
-drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time, c times its mean
+drafted in full and cut at the chosen depth (`DraftTree.truncate`): its drafting time, c0 + c times its mean
 height, is spent anyway once it drafts, so the cut adds the time it took to every depth alike, with the draft's
 own n_d.
 
@@ -64,26 +70,33 @@ class AdaptiveGamma(Proposer):
         knob: the proposer's draft-depth attribute, set before drafting; None cuts the draft instead.
         max_gamma: the longest draft (default: the knob's value at construction, else 16).
         decay: weight of the past per step (0.9: about the last 10 steps count).
+        memory: weight of the past per observation in each position's long-run rate, the estimates' prior (0.98:
+            about its last 50 observations, enough that the streak that stopped drafting does not define it).
         prior: pseudo-count of the prior at each position.
     """
 
     def __init__(self, proposer: Proposer, rel: dict[int, float], plain_step_s: float = 0.0,
-                 knob: str | None = None, max_gamma: int | None = None, decay: float = 0.9, prior: float = 1.0):
+                 knob: str | None = None, max_gamma: int | None = None, decay: float = 0.9, prior: float = 1.0,
+                 memory: float = 0.98):
         if knob is not None and not isinstance(getattr(proposer, knob, None), int):
             raise ValueError(f"adaptive gamma: {type(proposer).__name__} has no integer attribute {knob!r}")
         ks = sorted(rel)  # a measured curve is noisy: a verification never costs less than a shorter one
         self.rel = {k: max(rel[j] for j in ks[: i + 1]) for i, k in enumerate(ks)}
         self.proposer, self.plain_step_s, self.knob = proposer, plain_step_s, knob
         self.max_gamma = max_gamma or (getattr(proposer, knob) if knob else 16)
-        if self.max_gamma < 1 or not 0 <= decay < 1 or prior <= 0:
-            raise ValueError("adaptive gamma: need max_gamma >= 1, 0 <= decay < 1, prior > 0")
-        self.decay, self.prior = decay, prior
+        if self.max_gamma < 1 or not 0 <= decay < 1 or not 0 <= memory < 1 or prior <= 0:
+            raise ValueError("adaptive gamma: need max_gamma >= 1, 0 <= decay < 1, 0 <= memory < 1, prior > 0")
+        self.decay, self.prior, self.memory = decay, prior, memory
         self.passed = [0.0] * (self.max_gamma + 1)  # decayed counts per position k (index 0 unused)
         self.reached = [0.0] * (self.max_gamma + 1)
+        self.last_passed = [0.0] * (self.max_gamma + 1)  # the same, decayed by `memory` when position k is observed
+        self.last_reached = [0.0] * (self.max_gamma + 1)
         self.nodes = [0.0] * (self.max_gamma + 1)  # decayed sums of the drafts' nodes up to depth d
         self.seen = [0.0] * (self.max_gamma + 1)  # decayed count of drafts that reached depth d
         # decayed seconds and what they are per: propose per depth level, accept per step, verification per its price
-        self.propose_s, self.levels, self.drafts = 0.0, 0.0, 0.0
+        self.fit = [0.0] * 5  # decayed sums over drafts of 1, x, x^2, t, x t (x its depth, t its propose seconds)
+        self.catch_up_s, self.catch_ups, self.drafted = 0.0, 0.0, False  # drafted: the previous step did
+        self.levels, self.drafts = 0.0, 0.0  # decayed sums of the drafts' heights and count
         self.accept_s, self.steps = 0.0, 0.0
         self.verify_s, self.priced_s = 0.0, 0.0
         self.proposed: tuple[float, int] | None = None  # (when the current draft was handed over, its nodes)
@@ -105,13 +118,17 @@ class AdaptiveGamma(Proposer):
 
     def reset(self) -> None:
         self.proposer.reset()  # the estimates carry over: they describe the drafter and the machine, not the text
-        self.proposed = None
+        self.proposed, self.drafted = None, False
 
     def acceptance(self) -> list[float]:
-        """a_1..a_max: decayed counts shrunk towards the previous position's rate (1/2 before position 1)."""
+        """a_1..a_max: decayed counts shrunk towards a prior, the position's rate over its last observations however
+        long ago (shrunk towards position k - 1's, 1/2 before position 1), so that while short drafts (or none)
+        stop observing a position it keeps what it was (prompt lookup: 0.67, 0.84 after 0.38) rather than
+        becoming position 1's; at position 1 at least 1/2, so that a drafter once bad is tried again."""
         out, prev = [], 0.5
         for k in range(1, self.max_gamma + 1):
-            prev = (self.passed[k] + self.prior * prev) / (self.reached[k] + self.prior)
+            last = (self.last_passed[k] + self.prior * prev) / (self.last_reached[k] + self.prior)
+            prev = (self.passed[k] + self.prior * (max(last, 0.5) if k == 1 else last)) / (self.reached[k] + self.prior)
             out.append(prev)
         return out
 
@@ -119,9 +136,26 @@ class AdaptiveGamma(Proposer):
         """A decayed time per unit, in 1-token target forwards (0 when unmeasured or unpriced)."""
         return seconds / count / self.plain_step_s if count and self.plain_step_s else 0.0
 
+    def drafting(self) -> tuple[float, float]:
+        """(c0, c): the drafter's propose time for a depth-d draft is c0 + c d, in 1-token target forwards (0, 0
+        until measured or unpriced); through the origin while the depths drafted barely vary (variance < 0.2)."""
+        n, sx, sxx, st, sxt = self.fit
+        if not n or not self.plain_step_s:
+            return 0.0, 0.0
+        st, sxt = st / self.plain_step_s, sxt / self.plain_step_s
+        spread = n * sxx - sx * sx  # n^2 times the depths' variance
+        if spread < 0.2 * n * n:
+            return (0.0, st / sx) if sx else (st / n, 0.0)
+        c = max(0.0, (n * sxt - sx * st) / spread)
+        return (st - c * sx) / n, c
+
     def c(self) -> float:
-        """The drafter's propose time per depth level, in 1-token target forwards."""
-        return self._per(self.propose_s, self.levels)
+        """The drafter's propose time per depth level (the line's slope), in 1-token target forwards."""
+        return self.drafting()[1]
+
+    def b(self) -> float:
+        """The drafter's `catch_up` time per draft that follows a draft, in 1-token target forwards."""
+        return self._per(self.catch_up_s, self.catch_ups)
 
     def a(self) -> float:
         """The drafter's accept time per step, in 1-token target forwards."""
@@ -133,12 +167,13 @@ class AdaptiveGamma(Proposer):
 
     def measured(self) -> list[float]:
         """Per depth d = 0..max: what steps at depth d achieved over what the model predicted for them, (tokens
-        got / expected) x (cost priced / spent), shrunk by `prior` pseudo-steps towards depth d - 1's (1 for d = 0),
-        as the acceptance is: a depth never chosen takes its shallower neighbour's correction."""
+        got / expected) x (cost priced / spent) capped at 1, shrunk by `prior` pseudo-steps towards depth d - 1's (1
+        for d = 0): a depth is marked down for its shortfall, never up (a depth that did better than predicted did
+        so because the estimates lag, which every depth shares), and one never chosen takes its neighbour's."""
         out, prev, m = [], 1.0, self.prior
         for n, got, expected, spent, priced in zip(self.chosen, self.got, self.expected, self.spent, self.priced,
                                                    strict=True):
-            ratio = (got / expected) * (priced / spent if spent and priced else 1.0) if n else prev
+            ratio = min(1.0, (got / expected) * (priced / spent if spent and priced else 1.0)) if n else prev
             prev = (n * ratio + m * prev) / (n + m)
             out.append(prev)
         return out
@@ -160,11 +195,13 @@ class AdaptiveGamma(Proposer):
         return best
 
     def expected_nodes(self) -> list[float]:
-        """n_1..n_max: the drafts' mean nodes up to depth d; unseen depths extend the last level's width."""
+        """n_1..n_max: the drafts' mean nodes up to depth d (never fewer than up to d - 1: the means are over
+        different drafts); unseen depths extend the last level's width."""
         out, width = [], 1.0
         for d in range(1, self.max_gamma + 1):
-            n = self.nodes[d] / self.seen[d] if self.seen[d] else (out[-1] if out else 0.0) + width
-            width = n - (out[-1] if out else 0.0)
+            prev = out[-1] if out else 0.0
+            n = max(prev, self.nodes[d] / self.seen[d]) if self.seen[d] else prev + width
+            width = n - prev
             out.append(n)
         return out
 
@@ -173,26 +210,36 @@ class AdaptiveGamma(Proposer):
         self.step = None  # set by best_depth: this step's start, depth and prediction
         # a knob drafts d levels; a cut draft costs its whole (mean) height whatever depth it is cut to
         height = self.levels / self.drafts if self.drafts else 1.0
-        d = self.best_depth(self.expected_nodes(), [self.c() * (k if self.knob else height) for k in depths])
+        (c0, c), b = self.drafting(), self.b()
+        d = self.best_depth(self.expected_nodes(), [b + max(0.0, c0 + c * (k if self.knob else height)) for k in depths])
         if d == 0:
             tree = DraftTree.empty(ids.device)
         else:
             if self.knob:
                 setattr(self.proposer, self.knob, d)
             t0 = time.perf_counter()
+            if hasattr(self.proposer, "catch_up"):
+                self.proposer.catch_up(ids)
+                if self.drafted:  # one step's catch-up; after steps without a draft it also does theirs
+                    self.catch_up_s, self.catch_ups = self.catch_up_s * self.decay + time.perf_counter() - t0, \
+                        self.catch_ups * self.decay + 1
+                t0 = time.perf_counter()
             tree = self.proposer.propose(ids, sampling)
-            self.propose_s = self.propose_s * self.decay + time.perf_counter() - t0
+            t = time.perf_counter() - t0
             lay = layout(tree.parents)
+            x = d if self.knob else lay.height  # the depth asked for (a drafter may find less: prompt lookup)
+            self.fit = [s * self.decay + v for s, v in zip(self.fit, (1.0, x, x * x, t, x * t), strict=True)]
             nodes = torch.bincount(lay.depth[1:], minlength=self.max_gamma + 1)[1:].cumsum(0).tolist()  # up to d
             self.levels, self.drafts = self.levels * self.decay + lay.height, self.drafts * self.decay + 1
-            for k in depths:
+            for k in depths:  # a short draft (no match, the context's end) counts at every depth asked for
                 self.nodes[k], self.seen[k] = self.nodes[k] * self.decay, self.seen[k] * self.decay
-                if k <= lay.height:
+                if k <= max(x, lay.height):
                     self.nodes[k], self.seen[k] = self.nodes[k] + nodes[k - 1], self.seen[k] + 1
             if len(tree) and not self.knob:  # its drafting time is spent whatever the cut: priced alike for all
                 sunk = self._per(time.perf_counter() - t0, 1.0)
                 tree = tree.truncate(self.best_depth(nodes, [sunk] * self.max_gamma))
         self.gammas.append(layout(tree.parents).height)
+        self.drafted = d > 0
         self.proposed = (time.perf_counter(), len(tree))
         return tree
 
@@ -204,9 +251,15 @@ class AdaptiveGamma(Proposer):
                 self.verify_s = self.verify_s * self.decay + t0 - handed
                 self.priced_s = self.priced_s * self.decay + self.plain_step_s * verify_cost(self.rel, n + 1)
             accepted, height = len(verified.path), layout(verified.tree.parents).height
-            for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, the draft has k)
-                self.passed[k] = self.passed[k] * self.decay + (k <= accepted)
-                self.reached[k] = self.reached[k] * self.decay + (k <= height and k - 1 <= accepted)
+            if self.knob and self.step is not None:  # the depth asked for: a shorter draft stopped the path there
+                height = max(height, self.step[1])
+            for k in range(1, self.max_gamma + 1):  # a_k: P(path reaches depth k | it reached k - 1, drafted to k)
+                passed, reached = k <= accepted, k <= height and k - 1 <= accepted
+                self.passed[k] = self.passed[k] * self.decay + passed
+                self.reached[k] = self.reached[k] * self.decay + reached
+                if reached:
+                    self.last_passed[k] = self.last_passed[k] * self.memory + passed
+                    self.last_reached[k] = self.last_reached[k] * self.memory + 1
         self.proposed = None
         t1 = time.perf_counter()
         self.proposer.accept(ids, verified)

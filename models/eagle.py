@@ -471,9 +471,9 @@ def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
 class EagleProposer(Proposer):
     """EAGLE drafting on the shared verifier: feature-space autoregression with the drafter's own KV cache.
 
-    After each verification the cache is cut back to the committed positions and extended with the
-    target's features of the tokens just committed (entry p holds feature f_p with token x_{p+1}, at
-    rope position p), so drafting always restarts from the target's own hidden states. Then:
+    Before each draft (`catch_up`) the cache is cut back to the committed positions and extended with the
+    target's features of the tokens committed since the last draft (entry p holds feature f_p with token
+    x_{p+1}, at rope position p), so drafting always restarts from the target's own hidden states. Then:
     - chain: gamma tokens, each fed back with the drafter's output hidden state;
     - tree (EAGLE-2 dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
       by their `top_k` children, scored by cumulative draft log-probability; the best `total_tokens`
@@ -493,6 +493,7 @@ class EagleProposer(Proposer):
 
     def reset(self) -> None:
         self.cache, self.n, self.last = kv.new_cache(), 0, None  # committed entries, output at the last one [H]
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [m], features [m, k*H]) not yet fed
 
     def _step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
               ) -> torch.Tensor:
@@ -502,22 +503,44 @@ class EagleProposer(Proposer):
 
     @torch.no_grad()
     def accept(self, ids: torch.Tensor, verified: Verified) -> None:
-        kv.crop(self.cache, self.n)
+        """Records the committed entries; `catch_up` feeds them when the next draft needs them, so a step that
+        drafts nothing (adaptive gamma's depth 0) costs no drafter forward, and several such steps cost one. The
+        prompt's entries are fed at once (a cost per sequence, not per draft)."""
         if verified.hidden is None:
             return
         k, m, H = verified.hidden.shape
         feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, k*H]
-        t = ids.numel()
-        positions = torch.arange(t - 1 - m, t - 1, device=ids.device)
+        self.pending.append((ids[ids.numel() - m:], feats))
+        if verified.tree is None:
+            self.catch_up(ids)
+
+    def take_pending(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The recorded entries at once: tokens [M], features [M, k*H], rope positions [M] (n .. t - 2); the cache
+        is cut back to the committed entries first (dropping the last draft's)."""
+        kv.crop(self.cache, self.n)
+        tokens, feats = (torch.cat(x) for x in zip(*self.pending, strict=True))
+        self.pending = []
+        if self.n + tokens.numel() != ids.numel() - 1:
+            raise RuntimeError("EAGLE proposer: accept was not called after every verification")
+        return tokens, feats, torch.arange(self.n, self.n + tokens.numel(), device=ids.device)
+
+    @torch.no_grad()
+    def catch_up(self, ids: torch.Tensor) -> None:
+        """Feeds the entries recorded since the last draft in one forward (entry p: feature f_p, token x_{p+1})."""
+        if not self.pending:
+            return
+        tokens, feats, positions = self.take_pending(ids)
+        m = tokens.numel()
         visible = torch.ones(m, self.n + m, dtype=torch.bool, device=ids.device).tril(self.n)
-        out = self._step(ids[t - m:], feats, positions, visible)  # [m, H]
-        self.n, self.last = t - 1, out[-1]
+        out = self._step(tokens, feats, positions, visible)  # [m, H]
+        self.n, self.last = self.n + m, out[-1]
 
     def _draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.drafter.logits(out, self.head).float()  # [.., Vd]
 
     @torch.no_grad()
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        self.catch_up(ids)
         if self.last is None:
             return DraftTree.empty(ids.device)
         return self._chain(ids, sampling) if self.mode == "chain" else self._tree(ids, sampling)

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
-from draftsmith.decoding import cache as kv
 from draftsmith.decoding.bench import Drafting
-from draftsmith.decoding.proposers import Verified, draw
+from draftsmith.decoding.proposers import draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import (
@@ -107,32 +106,21 @@ class PEagleProposer(EagleProposer):
         super().__init__(drafter, embed, target_head, layers, "chain", gamma)
         self.ptd_token_id = ptd_token_id
 
-    def reset(self) -> None:
-        super().reset()
-        self.pending = None  # (tokens [m], features [m, 3H], positions [m]) committed but not yet fed
-
-    @torch.no_grad()
-    def accept(self, ids: torch.Tensor, verified: Verified) -> None:
-        if verified.hidden is None:
-            return
-        k, m, H = verified.hidden.shape
-        feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, 3H]
-        t = ids.numel()
-        self.pending = (ids[t - m:], feats, torch.arange(t - 1 - m, t - 1, device=ids.device))
+    def catch_up(self, ids: torch.Tensor) -> None:
+        """Nothing: `propose` feeds the recorded entries (the prompt's too) with its placeholders, in one forward."""
 
     @torch.no_grad()
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        if self.pending is None:
+        if not self.pending:
             return DraftTree.empty(ids.device)
-        kv.crop(self.cache, self.n)  # drop the previous block's placeholders
-        tokens, feats, positions = self.pending
+        tokens, feats, positions = self.take_pending(ids)  # also drops the previous block's placeholders
         m, slots = tokens.numel(), self.gamma - 1
         tokens = torch.cat([tokens, tokens.new_full((slots,), self.ptd_token_id)])  # [m + K-1]
         feats = torch.cat([feats, self.drafter.mask_hidden.to(feats.dtype).expand(slots, -1)])  # [m + K-1, 3H]
         positions = torch.cat([positions, positions[-1] + torch.arange(1, slots + 1, device=ids.device)])
         visible = torch.ones(m + slots, self.n + m + slots, dtype=torch.bool, device=ids.device).tril(self.n)
         out = self._step(tokens, feats, positions, visible)[m - 1:]  # [K, H]: the last entry, then the placeholders
-        self.n, self.pending = self.n + m, None
+        self.n += m
         qs: list[torch.Tensor] = []  # [Vd] each when sampling
         drafted = self.drafter.draft_ids[[draw(row, sampling, qs) for row in self._draft_logits(out)]]  # [K]
         return DraftTree.chain(drafted, self._over_target(qs) if qs else None)

@@ -13,7 +13,7 @@ Medusa tree of --medusa or else prompt lookup), timed in one process and sharded
 (decoding/evaluate.py `sharded`); tau must be equal.
 adaptive: the leaderboard's prompts (scripts/bench.py: 20 held-out x 128 tokens), per prompt back to back:
 plain decoding, each fixed gamma, and adaptive gamma (decoding/adaptive.py, at most the largest fixed
-gamma), for prompt lookup, the untrained 2-layer draft model, and with --eagle an EAGLE run's chain and
+gamma), over the prompts --repeats times (adaptive's estimates carry over, as in a server), for prompt lookup, the untrained 2-layer draft model, and with --eagle an EAGLE run's chain and
 EAGLE-2 tree (depth). Greedy; every output checked against plain decoding.
 profile: where the time of prompt lookup decoding goes, ours against Hugging Face's `prompt_lookup_num_tokens`
 (cProfile, 20 prompts x 128 tokens): the torch matmuls, attention, our decoder's own code (decoding/*.py) and
@@ -150,7 +150,7 @@ def eval_section(target_path: str, drafter: str) -> dict:
 
 @torch.no_grad()
 def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new: int,
-                     only: list[str] | None = None) -> dict:
+                     only: list[str] | None = None, repeats: int = 1) -> dict:
     prompts = render_prompts(tokenizer, load_prompts(PROMPTS_PATH, limit=num_prompts))
     curve = verify_cost_curve(target)
     rel, plain_step_s = relative(curve), curve[1]
@@ -166,7 +166,7 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
         drafters["eagle_tree"] = (lambda g: load_proposer(eagle, target, mode="tree", top_k=4, depth=g,
                                                           total_tokens=24), "depth", [2, 3, 4, 5, 6])
     out = {"verify_cost_relative": {str(k): v for k, v in rel.items()}, "num_prompts": len(prompts),
-           "max_new_tokens": new, "prompts": str(PROMPTS_PATH)}
+           "max_new_tokens": new, "prompts": str(PROMPTS_PATH), "repeats": repeats}
     for name, (make, knob, depths) in drafters.items():
         if only and name not in only:
             continue
@@ -177,7 +177,7 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
         plain, secs, matches = DecodeStats(), dict.fromkeys(variants, 0.0), True
         for p in variants.values():
             speculative_generate(target, p, prompts[0], 8)  # warm-up
-        for x in prompts:
+        for x in prompts * repeats:
             ref, _ = plain_generate(target, x, new, stats=plain)
             for v, p in variants.items():
                 t = time.perf_counter()
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="adaptive section: only these drafters (default: all)")
     parser.add_argument("--compile", action="store_true", help="verify section: also with the forward compiled")
     parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="adaptive section: passes over the prompts (timings of shared cores vary by ~5%% a pass)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the eval section also uses the default)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "perf.json")
@@ -255,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
             out = eval_section(args.target, drafter)
             torch.set_num_threads(args.threads)
         elif section == "adaptive":
-            out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens, args.drafters)
+            out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens, args.drafters,
+                                   args.repeats)
         else:
             out = profile_section(target, tokenizer, args.num_prompts, args.max_new_tokens)
         out["load_average"] = {"start": load_start, "end": os.getloadavg()}

@@ -92,6 +92,27 @@ def test_depth_follows_the_acceptance(right, expected):
     assert set(proposer.gammas[-6:]) <= expected, proposer.gammas
 
 
+def test_positions_that_short_drafts_stop_observing_keep_their_rate():
+    """Copy-like acceptance (prompt lookup's): once the first drafted token is right, the rest are. While first tokens
+    are wrong the wrapper drafts short or not at all, and positions 2+ keep the rate they last showed (a prior of
+    position 1's rate forgot them), so right first tokens bring back the long drafts."""
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=150, min_new_tokens=150, do_sample=False)[0]
+    flat = {1: 1.0, 16: 1.0 + 15 * 0.05}
+    oracle = Oracle(ref, right=8)
+    proposer = AdaptiveGamma(oracle, flat, knob="gamma")
+    out, _ = speculative_generate(target, proposer, x, 50)
+    oracle.right = 0
+    out, _ = speculative_generate(target, proposer, out, 50)
+    a = proposer.acceptance()
+    assert a[0] < 0.3 and min(a[1:]) > 0.6, a
+    oracle.right, start = 8, len(proposer.gammas)
+    out, _ = speculative_generate(target, proposer, out, 40)
+    assert torch.equal(out, ref[None, : out.shape[1]])
+    assert 8 in proposer.gammas[start:], proposer.gammas[start:]
+
+
 class Slow(Oracle):
     """An Oracle right on its first token whose every drafted level costs 10 ms more."""
 
@@ -135,6 +156,33 @@ def test_the_drafting_cost_counts_the_drafters_accept_but_not_the_prefills():
     assert 2.0 <= proposer.a() < 4.0
     assert proposer.c() < 1.0  # proposing is quick: the sleep is in accept
     assert proposer.gammas == [1] * 6  # always right and cheap to propose: it drafts, though each step costs 3x
+
+
+class SlowStart(Oracle):
+    """An Oracle right on its first token whose every draft costs 20 ms however deep (as EAGLE's catch-up over the
+    tokens committed since its last draft, or prompt lookup's search), and whose accept costs nothing."""
+
+    def propose(self, ids, sampling):
+        time.sleep(0.02)
+        return super().propose(ids, sampling)
+
+
+def test_a_fixed_cost_per_draft_is_priced_once_and_steps_that_draft_nothing_spare_it():
+    """Drafts 1 to 4 deep cost 20 ms each, 2 forwards: the fitted line has that intercept and no slope, and most
+    steps draft nothing (a one-token draft right once does not pay for 2 forwards)."""
+    target = build()
+    x = prompt(4)
+    ref = target.generate(x, max_new_tokens=40, min_new_tokens=40, do_sample=False)[0]
+    proposer = AdaptiveGamma(SlowStart(ref, right=1, gamma=4), STEEP, plain_step_s=0.01, knob="gamma")
+    out, _ = speculative_generate(target, proposer, x, 40)
+    assert torch.equal(out, ref[None])
+    c0, c = proposer.drafting()
+    assert 2.0 <= c0 + c < 4.0 and proposer.a() < 1.0
+    for d in (1, 2, 3, 4, 1, 2, 3, 4):  # drafts of every depth, as adaptive explores them: the line is fitted
+        proposer.fit = [s * proposer.decay + v for s, v in zip(proposer.fit, (1, d, d * d, 0.02, 0.02 * d), strict=True)]
+    c0, c = proposer.drafting()
+    assert c0 == pytest.approx(2.0, rel=0.1) and c == pytest.approx(0.0, abs=0.2)
+    assert proposer.gammas.count(0) > 0.7 * len(proposer.gammas) and max(proposer.gammas) >= 1, proposer.gammas
 
 
 class Narrow(Oracle):

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
+from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import (
     Eagle,
@@ -77,6 +78,31 @@ def test_training_time_test_step_k_equals_what_the_proposer_computes(version):
             visible = torch.ones(1, p.n + k, dtype=torch.bool)
             h = p._step(ids[t + 1 + k: t + 2 + k], h[None], torch.tensor([t + k]), visible)[0]
             torch.testing.assert_close(h, outs[k][t], atol=5e-4, rtol=5e-4)
+
+
+@pytest.mark.parametrize("version,mode", [(1, "chain"), (3, "tree")])
+def test_entries_of_steps_that_drafted_nothing_are_fed_at_the_next_draft_in_one_forward(version, mode):
+    """Steps that draft nothing (adaptive gamma's depth 0) leave the drafter alone; the next draft's catch_up feeds
+    every entry committed since in one forward, to the state and the draft that feeding them step by step gives."""
+    m = method(version, draft_ids=torch.arange(0, V, 3) if version == 3 else None)
+    bt = batch(b=1, s=12)
+    ids, (_, g) = bt["input_ids"][0], m.features(bt)
+    eager, lazy = (m.proposer(mode=mode, gamma=3, top_k=2, depth=3, total_tokens=6) for _ in range(2))
+    hidden = g[0, :11].reshape(11, len(eager.hidden_layers), -1).permute(1, 0, 2)  # [k, 11, H]: positions 0..10
+    step = DraftTree.empty()  # what the verifier passes after a step (None after the prefill)
+    for a, b in [(0, 5), (5, 7), (7, 8), (8, 11)]:  # the prefill's 5 entries, then steps committing 2, 1, 3
+        seen = Verified(None if a == 0 else step, [], None, hidden[:, a:b])
+        eager.accept(ids[: b + 1], seen)
+        drafts = [eager.propose(ids[: b + 1], Sampling())]  # drafts (and grows its cache past the committed entries)
+        lazy.accept(ids[: b + 1], seen)
+    assert lazy.n == 5 and len(lazy.pending) == 3  # the prompt's entries are fed at once, the steps' are not
+    drafts.append(lazy.propose(ids, Sampling()))
+    assert lazy.n == eager.n == 11 and not lazy.pending
+    torch.testing.assert_close(lazy.last, eager.last, atol=1e-5, rtol=1e-5)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
+    lazy.accept(ids, Verified(step, [], None, hidden[:, 8:]))  # entries already fed: not after a verification
+    with pytest.raises(RuntimeError, match="accept was not called after every verification"):
+        lazy.catch_up(ids)
 
 
 def test_packed_rows_do_not_leak_across_examples():

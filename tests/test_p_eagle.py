@@ -14,6 +14,7 @@ from test_decoding_generate import CONFIGS
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
+from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.p_eagle import PEagle, PEagleProposer
@@ -53,6 +54,22 @@ def test_training_depth_k_equals_the_proposers_placeholder_k():
         block = outs[-1][t:]  # [K, H]: the last entry (anchor t), then placeholders 1..3
         for k in range(4):
             torch.testing.assert_close(block[k], outs[k][t], atol=1e-4, rtol=1e-4)
+
+
+def test_entries_of_steps_that_drafted_nothing_join_the_next_block():
+    """Under adaptive gamma a step may draft nothing: its entries are fed with the next block, which then drafts
+    what drafting at every step would have."""
+    m = method(K=4)
+    ids, bt = helpers.random_row(V, 12, 2)
+    _, g = m.features(bt)  # [1, s, 3H]
+    hidden = g[0, :11].reshape(11, 3, -1).permute(1, 0, 2)  # [3, 11, H]: entries 0..10
+    eager, lazy = m.proposer(gamma=4), m.proposer(gamma=4)
+    for a, b in [(0, 5), (5, 7), (7, 11)]:  # the prefill's entries, then steps committing 2 and 4
+        seen = Verified(None if a == 0 else DraftTree.empty(), [], None, hidden[:, a:b])
+        eager.accept(ids[0, : b + 1], seen)
+        draft = eager.propose(ids[0, : b + 1], Sampling())
+        lazy.accept(ids[0, : b + 1], seen)
+    assert torch.equal(lazy.propose(ids[0], Sampling()).tokens, draft.tokens) and lazy.n == eager.n == 11
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])

@@ -20,14 +20,14 @@ fitted to the drafts' times by decayed least squares: prompt lookup's search cos
 EAGLE's first level costs a head where the others add a drafter forward), b its time in the optional `catch_up`
 hook, called before a draft (EAGLE feeds its drafter the tokens committed since its last draft there, in one
 forward however many steps drafted nothing), measured on drafts that follow a draft (after steps without one
-it also does their deferred work, which drafting nothing never pays), and a its time per step in `accept`. It is cost.py's
-speedup model with per-position acceptance instead of one alpha, since acceptance rises along a draft for
-copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder (cost
-r + a; EAGLE's drafter skips such steps and catches up at its next draft): where no draft pays for itself (a
-drafter slower than the tokens it saves, as small drafters are on a CPU), the wrapper stops drafting. The
+it also does their deferred work, which drafting nothing never pays), and a its time per step in `accept`.
+It is cost.py's speedup model with per-position acceptance instead of one alpha, since acceptance rises along a
+draft for copy-like drafters (prompt lookup: 0.38 then 0.67, 0.84). d = 0 is one plain step through the decoder
+(cost r + a; EAGLE's drafter skips such steps and catches up at its next draft): where no draft pays for itself
+(a drafter slower than the tokens it saves, as small drafters are on a CPU), the wrapper stops drafting. The
 estimates decay (`decay` per step, drafted or not) towards a prior: the rate of the position's own last
-observations, however old, so that what short drafts (or none) stop observing keeps its value; at position 1
-at least 1/2, so that a drafter no longer tried drifts back and gets tried again.
+observations, however old, so that what short drafts (or none) stop observing keeps its value; at position 1 at
+least 1/2, so that a drafter no longer tried drifts back and gets tried again.
 
 Drafters with a length attribute (`knob`: DraftModel.gamma, EAGLE's chain gamma or tree depth,
 PromptLookup.num_pred_tokens) draft at the chosen depth, so drafting time is saved too; n_d is then the
@@ -93,10 +93,11 @@ class AdaptiveGamma(Proposer):
         self.last_reached = [0.0] * (self.max_gamma + 1)
         self.nodes = [0.0] * (self.max_gamma + 1)  # decayed sums of the drafts' nodes up to depth d
         self.seen = [0.0] * (self.max_gamma + 1)  # decayed count of drafts that reached depth d
-        # decayed seconds and what they are per: propose per depth level, accept per step, verification per its price
         self.fit = [0.0] * 5  # decayed sums over drafts of 1, x, x^2, t, x t (x its depth, t its propose seconds)
-        self.catch_up_s, self.catch_ups, self.drafted = 0.0, 0.0, False  # drafted: the previous step did
         self.levels, self.drafts = 0.0, 0.0  # decayed sums of the drafts' heights and count
+        # decayed seconds and what they are per: catch-up per draft after a draft, accept per step, verification
+        # per its price
+        self.catch_up_s, self.catch_ups, self.drafted = 0.0, 0.0, False  # drafted: the previous step did
         self.accept_s, self.steps = 0.0, 0.0
         self.verify_s, self.priced_s = 0.0, 0.0
         self.proposed: tuple[float, int] | None = None  # (when the current draft was handed over, its nodes)
@@ -217,13 +218,13 @@ class AdaptiveGamma(Proposer):
         else:
             if self.knob:
                 setattr(self.proposer, self.knob, d)
-            t0 = time.perf_counter()
             if hasattr(self.proposer, "catch_up"):
+                t0 = time.perf_counter()
                 self.proposer.catch_up(ids)
                 if self.drafted:  # one step's catch-up; after steps without a draft it also does theirs
-                    self.catch_up_s, self.catch_ups = self.catch_up_s * self.decay + time.perf_counter() - t0, \
-                        self.catch_ups * self.decay + 1
-                t0 = time.perf_counter()
+                    self.catch_up_s = self.catch_up_s * self.decay + time.perf_counter() - t0
+                    self.catch_ups = self.catch_ups * self.decay + 1
+            t0 = time.perf_counter()
             tree = self.proposer.propose(ids, sampling)
             t = time.perf_counter() - t0
             lay = layout(tree.parents)
@@ -233,7 +234,7 @@ class AdaptiveGamma(Proposer):
             self.levels, self.drafts = self.levels * self.decay + lay.height, self.drafts * self.decay + 1
             for k in depths:  # a short draft (no match, the context's end) counts at every depth asked for
                 self.nodes[k], self.seen[k] = self.nodes[k] * self.decay, self.seen[k] * self.decay
-                if k <= max(x, lay.height):
+                if k <= x:
                     self.nodes[k], self.seen[k] = self.nodes[k] + nodes[k - 1], self.seen[k] + 1
             if len(tree) and not self.knob:  # its drafting time is spent whatever the cut: priced alike for all
                 sunk = self._per(time.perf_counter() - t0, 1.0)

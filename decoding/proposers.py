@@ -23,13 +23,13 @@ The protocol (every drafter, trained or not, implements it and plugs into the sa
 - `catch_up(ids)` (optional): the drafter's work on the tokens committed since its last draft, which `propose`
   also does first; a wrapper that may skip drafting (decoding/adaptive.py) calls it before a draft, to time it.
 
-How the trained drafters use it: Medusa takes hidden[-1, -1] (last hidden state, after the final
-norm, at the last accepted position) and proposes its static tree below the bonus token. EAGLE-1/3
-record the features of all m newly committed positions (one layer or several concatenated) and, at
-the next draft, extend their own KV cache with them in one forward, then draft a chain or (EAGLE-2) a dynamic tree. Early exit (LayerSkip) drafts
-with the target's first E layers straight into the target's own KV cache and, through the optional
-`target_forward(cache)` hook (see decoding/generate.py), verifies with only layers [E:] for the
-tokens it already ran (the exit-query cache).
+How the trained drafters use it: Medusa takes hidden[-1, -1] (last hidden state, after the final norm,
+at the last accepted position) and proposes its static tree below the bonus token. EAGLE-1/3 record the
+features of all m newly committed positions (one layer or several concatenated) and, at the next draft,
+extend their own KV cache with them in one forward, then draft a chain or (EAGLE-2) a dynamic tree.
+Early exit (LayerSkip) drafts with the target's first E layers straight into the target's own KV cache
+and, through the optional `target_forward(cache)` hook (see decoding/generate.py), verifies with only
+layers [E:] for the tokens it already ran (the exit-query cache).
 """
 
 from __future__ import annotations

@@ -270,9 +270,8 @@ class AdaptiveGamma(Proposer):
             self.steps = self.steps * self.decay + 1
             if self.step is not None:  # the whole step against its prediction, at the depth it was chosen for
                 start, d, tokens, cost = self.step
-                for k in range(self.max_gamma + 1):
-                    for stat in (self.chosen, self.got, self.expected, self.spent, self.priced):
-                        stat[k] *= self.decay
+                for stat in (self.chosen, self.got, self.expected, self.spent, self.priced):
+                    stat[:] = [x * self.decay for x in stat]
                 self.chosen[d] += 1
                 self.got[d] += len(verified.path) + 1
                 self.expected[d] += tokens

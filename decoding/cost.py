@@ -17,6 +17,7 @@ time per drafted token relative to a 1-token forward of the target.
 
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 import time
@@ -75,13 +76,11 @@ def relative(curve: dict[int, float]) -> dict[int, float]:
 
 def verify_cost(rel: dict[int, float], k: int) -> float:
     """v(k): linear interpolation between the measured points (and extrapolation past the last two)."""
-    ks = sorted(rel)
     if k in rel:
         return rel[k]
-    lo = max([x for x in ks if x < k], default=ks[0])
-    hi = min([x for x in ks if x > k], default=None)
-    if hi is None:
-        lo, hi = ks[-2], ks[-1]
+    ks = sorted(rel)
+    i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)  # ks[i - 1] < k < ks[i], or the first / last two
+    lo, hi = ks[i - 1], ks[i]
     return rel[lo] + (rel[hi] - rel[lo]) * (k - lo) / (hi - lo)
 
 

@@ -21,7 +21,9 @@ retrained, and one already measured in `--out` with the same run and steps is no
 the reference data: per draft step k, acc_k (draft top-1 = target top-1) and accept_k (sum_v min(p_v, q_v) over the
 target's whole vocabulary: what exact verification at temperature 1 accepts), and the chain tau they predict
 (`expected_tau`, `expected_tau_t1`: 1 + sum_k prod_{i<=k}), into the file's `screen` section; a cheap way to rank many
-variants trained one after another on quiet cores before decoding the few that matter.
+variants trained one after another on quiet cores before decoding the few that matter. `--heldout-data FILE` takes the
+rows from FILE instead (data/regenerated/reference-target/heldout_t1.jsonl.gz: the target's own sampled answers to
+held-out prompts, what decoding at T=1 sees), recorded in the section `screen_<FILE's name>`.
 
 `--memory-target NAME` measures the same step on a real target (gemma3-270m: its 262,144-token vocabulary) with
 draft vocabularies 2048 and 32000. `--memory` measures one EAGLE-3 training step (forward and backward, ttt_steps 5, draft vocabulary 32000) on a
@@ -34,6 +36,7 @@ per token of the batch.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -57,6 +60,7 @@ from draftsmith.train.eagle import heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
+REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
 STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
 BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
@@ -113,6 +117,16 @@ VARIANTS = {
     # EAGLE-1's training regime: no unrolling, and with its feature noise
     "s_ttt_1": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
     "s_ttt_1_noise": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0", "eagle.feature_noise=0.2"]),
+    # stop 32, screened on held-out rows of the target's own answers too (--heldout-data): the training data (EAGLE-1's
+    # fixed answers; the regenerated answers sampled at T=1 alone, {T1}; EAGLE-1 on EAGLE-3's), the draft loss kept
+    # (loss_chunk 0, the recipes since), and the whole vocabulary (no missing mass) with it
+    "x_e3_fixed": ("eagle3", ["data.path="]),
+    "x_e3_t1": ("eagle3", ["data.path={T1}"]),
+    "x_e1_regen": ("eagle1", [f"data.path={REGENERATED}"]),
+    "y_lc0": ("eagle3", ["eagle.loss_chunk=0"]),
+    "y_e1_lc0": ("eagle1", ["eagle.loss_chunk=0"]),
+    "y_v8192_lc0": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0"]),
+    "y_v8192_lc0_t1": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0", "data.path={T1}"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
@@ -121,8 +135,20 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
+def t1_rows(out: Path) -> Path:
+    """The EAGLE-3 recipe's regenerated answers sampled at temperature 1 alone (ids ending -T1), written to `out`."""
+    if not out.is_file():
+        rows = [line for line in gzip.open(REPO / REGENERATED, "rt") if json.loads(line)["id"].endswith("-T1")]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(out, "wt") as f:
+            f.writelines(rows)
+    return out
+
+
 def train_variant(name: str, run: Path, budget: float, target: str, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
+    if any("{T1}" in o for o in overrides):
+        overrides = [o.replace("{T1}", str(t1_rows(run.parent / "regenerated_t1.jsonl.gz"))) for o in overrides]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):
@@ -234,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--screen", action="store_true",
                         help="record held-out expected acceptance (no decoding) in the `screen` section")
     parser.add_argument("--heldout-rows", type=int, default=32, help="--screen: held-out rows of the reference data")
+    parser.add_argument("--heldout-data", default="", help="--screen: held-out conversations from this file instead")
     parser.add_argument("--memory", action="store_true", help="also measure peak training memory per token")
     parser.add_argument("--memory-target", default="", help="also measure it on this real target (e.g. gemma3-270m)")
     parser.add_argument("--target", default=str(REFERENCE_TARGET),
@@ -244,13 +271,15 @@ def main(argv: list[str] | None = None) -> dict:
     named = args.target in bench.TARGET_RECIPES
     board = json.loads(args.out.read_text()) if args.out.is_file() else {}
     board.setdefault("variants", {})
-    section = "screen" if args.screen else "variants"
+    section = "variants" if not args.screen else "screen" + (
+        f"_{Path(args.heldout_data).name.split('.')[0]}" if args.heldout_data else "")
     command = " ".join(["python scripts/bench_eagle3_ablation.py", *(argv if argv is not None else sys.argv[1:])])
-    key = "screen_settings" if args.screen else "settings" if args.variants else "memory_settings"
+    key = f"{section}_settings" if args.screen else "settings" if args.variants else "memory_settings"
     board[key] = board.get(key) if not (args.variants or args.memory) else {
         "command": command,
         "target": args.target, "budget_minutes": args.budget_minutes,
-        **({"heldout_rows": args.heldout_rows, "steps": SCREEN_STEPS} if args.screen else
+        **({"heldout_rows": args.heldout_rows, "heldout_data": args.heldout_data, "steps": SCREEN_STEPS}
+           if args.screen else
            {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "decodings": DECODINGS}),
         "common_overrides": COMMON, "temperatures": list(TEMPERATURES),
         "concurrent": args.concurrent,
@@ -263,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = render_prompts(target.tokenizer, load_prompts(shipped(f"{real}/heldout_prompts.jsonl") if named
                                                             else PROMPTS_PATH, args.num_prompts))
     rows = heldout_rows(DataConfig(max_length=256), target.tokenizer, args.heldout_rows,
-                        shipped(f"{real}/heldout.jsonl.gz") if named else "") if args.screen else []
+                        args.heldout_data or (shipped(f"{real}/heldout.jsonl.gz") if named else "")) if args.screen else []
     baselines: dict = {}
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrent) as pool:  # groups of --concurrent start together and end together
@@ -287,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.memory_target:
         board.setdefault("memory_real", {})[args.memory_target] = {**memory_real(args.memory_target), "command": command}
     save(board, args.out)
-    print(screen_table(board) if args.screen else table(board))
+    print(screen_table(board, section) if args.screen else table(board))
     print(f"wrote {args.out}")
     return board
 
@@ -302,11 +331,11 @@ def table(board: dict) -> str:
     return "\n".join(lines)
 
 
-def screen_table(board: dict) -> str:
-    """The screened variants as a Markdown table (the README's)."""
+def screen_table(board: dict, section: str = "screen") -> str:
+    """The screened variants of `section` as a Markdown table (the README's)."""
     lines = ["| variant | overrides | steps | accept_k (T=1), k = 0..4 | acc_k (T=0) | expected tau T=0 | T=1 |",
              "|---|---|---|---|---|---|---|"]
-    for name, v in board["screen"].items():
+    for name, v in board[section].items():
         lines.append(f"| {name} | {' '.join(v['overrides']) or v['method'] + ' recipe'} | {v['steps']} | "
                      f"{' '.join(f'{a:.2f}' for a in v['accept'])} | {' '.join(f'{a:.2f}' for a in v['acc'])} | "
                      f"{v['expected_tau']:.2f} | {v['expected_tau_t1']:.2f} |")
@@ -316,7 +345,7 @@ def screen_table(board: dict) -> str:
 def save(board: dict, out: Path) -> None:
     """Write `board` over `out`, keeping the variants (and memory figures) another run of this script wrote there."""
     disk = json.loads(out.read_text()) if out.is_file() else {}
-    for section in ("variants", "screen"):
+    for section in {"variants", "screen", *(k for k in board if k.startswith("screen_") and not k.endswith("settings"))}:
         board[section] = {**disk.get(section, {}), **board.get(section, {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**disk, **board}, indent=1) + "\n")

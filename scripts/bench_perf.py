@@ -1,7 +1,7 @@
 """Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma (issue #19).
 
     python scripts/bench_perf.py [--sections verify eval adaptive profile] [--medusa runs/medusa1-tiny-code/best]
-        [--eagle DIR] [--compile] [--out benchmarks/perf.json]
+        [--eagle DIR] [--drafters NAME ...] [--repeats N] [--cut] [--compile] [--out benchmarks/perf.json]
 
 verify: on the reference target, a prompt's greedy continuation drafted 4 tokens at a time (all
 accepted, or all rejected) against plain decoding through the same loop: seconds per verification
@@ -16,7 +16,8 @@ plain decoding, each fixed gamma, and adaptive gamma (decoding/adaptive.py, at m
 gamma), over the prompts --repeats times (adaptive's estimates carry over, as in a server), for prompt lookup, the untrained 2-layer draft model, and with --eagle an EAGLE run's chain and
 EAGLE-2 tree (depth). Greedy; every output checked against plain decoding. With --repeats > 1 also
 adaptive over the best fixed gamma chosen without seeing the pass it is timed on (`..._held_out`: for each pass, the
-fixed gamma fastest over the other passes, timed on that one).
+fixed gamma fastest over the other passes, timed on that one). --cut also times adaptive without the knob (`adaptive_cut`:
+the whole draft, cut at the depth chosen with it in hand), for drafters whose draft costs next to nothing.
 profile: where the time of prompt lookup decoding goes, ours against Hugging Face's `prompt_lookup_num_tokens`
 (cProfile, 20 prompts x 128 tokens): the torch matmuls, attention, our decoder's own code (decoding/*.py) and
 Hugging Face's generation code, each as cumulative seconds.
@@ -152,7 +153,7 @@ def eval_section(target_path: str, drafter: str) -> dict:
 
 @torch.no_grad()
 def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new: int,
-                     only: list[str] | None = None, repeats: int = 1) -> dict:
+                     only: list[str] | None = None, repeats: int = 1, cut: bool = False) -> dict:
     prompts = render_prompts(tokenizer, load_prompts(PROMPTS_PATH, limit=num_prompts))
     curve = verify_cost_curve(target)
     rel, plain_step_s = relative(curve), curve[1]
@@ -175,6 +176,8 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
         start_load = os.getloadavg()
         variants = {f"fixed_{g}": make(g) for g in depths}
         variants["adaptive"] = AdaptiveGamma(make(max(depths)), rel, plain_step_s, knob=knob)
+        if cut:  # drafted in full, then cut at the depth chosen with the draft in hand
+            variants["adaptive_cut"] = AdaptiveGamma(make(max(depths)), rel, plain_step_s)
         stats = {v: DecodeStats() for v in variants}
         plain, matches = DecodeStats(), True
         passes = {v: [0.0] * repeats for v in variants}  # seconds per pass over the prompts
@@ -190,7 +193,7 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
         secs = {v: sum(t) for v, t in passes.items()}
         row = {v: {"tau": s.tau, "speedup": plain.wall_s / secs[v], "seconds": secs[v], "seconds_per_pass": passes[v]}
                for v, s in stats.items()}
-        fixed = [v for v in row if v != "adaptive"]
+        fixed = [v for v in row if not v.startswith("adaptive")]
         best = max(fixed, key=lambda v: row[v]["speedup"])
         # the best fixed gamma chosen without seeing the pass it is timed on: picked on the other passes, timed on this
         # one (the maximum over all passes of several noisy timings is biased upwards by the choice itself)
@@ -199,6 +202,8 @@ def adaptive_section(target, tokenizer, eagle: str | None, num_prompts: int, new
         out[name] = {"by_variant": row, "plain_s": plain.wall_s, "best_fixed": best,
                      "adaptive_over_best_fixed": row["adaptive"]["speedup"] / row[best]["speedup"],
                      **({"adaptive_over_best_fixed_held_out": held_out / secs["adaptive"]} if repeats > 1 else {}),
+                     **({"adaptive_cut_over_best_fixed": row["adaptive_cut"]["speedup"] / row[best]["speedup"]}
+                        if cut else {}),
                      "adaptive_mean_depth": sum(gammas) / max(1, len(gammas)),
                      "adaptive_depth_histogram": {str(g): gammas.count(g) for g in sorted(set(gammas))},
                      "greedy_matches_target": matches, "load_average": [start_load, os.getloadavg()]}
@@ -241,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eagle", help="an EAGLE run's best/ for the adaptive section")
     parser.add_argument("--drafters", nargs="+", choices=["prompt_lookup", "draft_model", "eagle_chain", "eagle_tree"],
                         help="adaptive section: only these drafters (default: all)")
+    parser.add_argument("--cut", action="store_true",
+                        help="adaptive section: also adaptive without the knob (the whole draft, cut at the depth "
+                             "chosen once it is drafted)")
     parser.add_argument("--compile", action="store_true", help="verify section: also with the forward compiled")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1,
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.set_num_threads(args.threads)
         elif section == "adaptive":
             out = adaptive_section(target, tokenizer, args.eagle, args.num_prompts, args.max_new_tokens, args.drafters,
-                                   args.repeats)
+                                   args.repeats, args.cut)
         else:
             out = profile_section(target, tokenizer, args.num_prompts, args.max_new_tokens)
         out["load_average"] = {"start": load_start, "end": os.getloadavg()}

@@ -26,6 +26,9 @@ position pos_t + k; its queries see the step-0 keys causally and the keys of ste
 position only (what the drafter's KV cache holds while drafting token k+1 at serving time). K may
 grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
 
+Cost: in training the draft head and loss run only at the positions the loss trains, gathered (a prompt's
+are not); the layer runs at every position, as attention needs.
+
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
 positions (default: the same) under activation checkpointing, so peak memory grows with the draft vocabulary,
@@ -355,7 +358,9 @@ class Eagle(nn.Module):
         evaluation, which may unroll further than training did); returns the weighted loss and per-step metrics:
         loss_k, acc_k (draft top-1 = target top-1) and cond_acc_k, the acceptance decoding sees: the
         same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens; and
-        accept_k, the expected acceptance at temperature 1 of step k along the row (`divergence`)."""
+        accept_k, the expected acceptance at temperature 1 of step k along the row (`divergence`). In training the
+        head and the loss run at the trained positions alone (about half of a chat batch's), and the metrics count
+        those; in evaluation, every position."""
         cfg, d = self.cfg, self.drafter
         ids = batch["input_ids"]  # [b, s]
         b, s = ids.shape
@@ -383,21 +388,24 @@ class Eagle(nn.Module):
             out = d(*self.step_input(k, shift(emb, j), h), pos + k, mask, cache)  # [b, s, H]
             valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
             target_next = shift(greedy, j)  # [b, s]
-            div, top, accept = self.chunked_divergence(out, shift(target_p, j), shift(mass, j))  # [b, s] each
-            if cfg.version == 3:  # positions whose target argmax is outside the draft vocabulary are not trained
-                step_loss = masked_mean(div, valid & d.t2d[target_next])
-            else:
-                step_loss = cfg.token_weight * masked_mean(div, valid)
+            trained = valid & d.t2d[target_next]  # a target argmax outside the draft vocabulary is not trained
+            rows = trained if self.training else torch.ones_like(valid)  # [b, s] where the head and loss run
+            bi, ti = rows.nonzero(as_tuple=True)  # [N] each
+            tj = (ti + j).clamp(max=s - 1)  # past the end: never trained
+            div, top, accept = (x[0] for x in self.chunked_divergence(out[bi, ti][None], target_p[bi, tj][None],
+                                                                      mass[bi, tj][None]))  # [N] each
+            step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, s, H]
                 l1 = F.smooth_l1_loss(read, shift(f, j), reduction="none").mean(-1)  # [b, s]
                 step_loss = step_loss + cfg.feature_weight * masked_mean(l1, valid)
             total = total + cfg.decay ** k * step_loss
-            ok = d.draft_ids[top] == target_next  # [b, s]
+            ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, s]
+            valid = valid & rows
             metrics[f"loss_{k}"] = step_loss.item()
             metrics[f"acc_{k}"] = masked_mean(ok.float(), valid).item()
             metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), valid & on_path).item()
-            metrics[f"accept_{k}"] = masked_mean(accept, valid).item()
+            metrics[f"accept_{k}"] = masked_mean(accept, valid[bi, ti]).item()
             on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics

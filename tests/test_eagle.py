@@ -279,6 +279,27 @@ def test_chunked_logits_give_the_same_loss_and_gradients(version, loss, logit_ch
         assert float((ga[n] - gb[n]).abs().max()) <= 2e-3 * max(1.0, scale), n  # chunks) agree to ~1e-3 of that
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_training_runs_the_head_at_the_trained_positions_alone_with_the_same_loss(version):
+    """Training gathers the positions the loss trains (a prompt, a packed row's seam, a target argmax outside the
+    draft vocabulary are not) before the head; evaluation runs it everywhere and masks: the same loss and gradients."""
+    bt = batch(b=2, s=13)
+    bt["loss_mask"][:, :4] = 0  # a prompt
+    bt["position_ids"] = torch.cat([torch.arange(6), torch.arange(7)]).expand(2, 13)  # two packed sequences a row
+    results = []
+    for mode in ("train", "eval"):
+        m = getattr(method(version, ttt_steps=3, draft_ids=torch.arange(0, V, 3)), mode)()
+        value, _ = m.ttt(bt, 3)
+        value.backward()
+        results.append((value, {n: p.grad for n, p in m.drafter.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    assert a.item() > 0
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for n in ga:  # float32 sums in another order: as in the chunked-logits test
+        assert float((ga[n] - gb[n]).abs().max()) <= 2e-3 * max(1.0, float(ga[n].abs().max())), n
+
+
 def test_loss_mask_selects_the_predicted_tokens():
     m = method(3, ttt_steps=2)
     bt = batch(b=1, s=10)
@@ -310,10 +331,10 @@ def test_conditional_acceptance_conditions_on_accepted_greedy_prefixes():
         calls.append(k)
         want = torch.cat([greedy[:, 1 + k:], greedy.new_zeros(2, 1 + k)], 1)  # [b, s]
         token = torch.where(right[k], want, (want + 1) % V)
-        return torch.nn.functional.one_hot(token, V).float() * 10  # [b, s, V]
+        return (torch.nn.functional.one_hot(token, V).float() * 10).reshape(*out.shape[:-1], V)  # every position, in order
 
     m.drafter.logits = forced
-    _, metrics = m.ttt(bt)
+    _, metrics = m.eval().ttt(bt)  # evaluation: the head runs at every position (training: at the trained ones)
     t = torch.arange(s)
     for k in range(2):
         valid = (t + k + 2 < s).expand(2, s)  # the label token x_{t+k+2} exists

@@ -10,13 +10,12 @@ noise (shared cores) hits them alike; each figure is the median over the repeats
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -32,14 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPES = {"eagle1": "recipes/eagle/tiny-code.yaml", "eagle3": "recipes/eagle3/tiny-code.yaml"}
 
 
-def module_at(rev: str, tmp: Path):
-    """models/eagle.py as it was at git revision `rev`, imported under another name."""
-    path = tmp / "eagle_baseline.py"
-    path.write_text(subprocess.run(["git", "show", f"{rev}:models/eagle.py"], cwd=REPO, capture_output=True, text=True,
-                                   check=True).stdout)
-    spec = importlib.util.spec_from_file_location("eagle_baseline", path)
-    module = sys.modules["eagle_baseline"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    spec.loader.exec_module(module)
+def module_at(rev: str):
+    """models/eagle.py as it was at git revision `rev`: its source run as a module of another name (it is not on any
+    import path; the package's own eagle module stays as it is)."""
+    source = subprocess.run(["git", "show", f"{rev}:models/eagle.py"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout
+    module = sys.modules["eagle_baseline"] = types.ModuleType("eagle_baseline")  # dataclasses look it up
+    exec(compile(source, f"{rev}:models/eagle.py", "exec"), module.__dict__)
     return module
 
 
@@ -51,35 +49,34 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     versions = {"now": eagle}
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline:
-            versions[args.baseline] = module_at(args.baseline, Path(tmp))
-        out = {"settings": {"command": " ".join(["python scripts/bench_train_step.py", *sys.argv[1:]]),
-                            "batch": "4 packed rows x 256 tokens of each recipe's training data", "threads":
-                            torch.get_num_threads(), "repeats": args.repeats}, "ms_per_step": {}}
-        for method, recipe in RECIPES.items():
-            cfg = C.from_command_line(Recipe, REPO / recipe, ["--config", str(REPO / recipe)], "")
-            target = load_target(str(REPO / cfg.target.path))
-            rows = build_dataset(cfg.data, target.tokenizer)
-            ids = eagle.draft_vocab(rows, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
-                if cfg.eagle.version == 3 else None
-            models = {name: m.Eagle(target, m.EagleConfig(**vars(cfg.eagle)), ids).train() for name, m in versions.items()}
-            opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for name, m in models.items()}
-            batches = [collate([rows[i] for i in range(4 * r, 4 * r + 4)]) for r in range(args.repeats)]
-            steps = (1, 3, 5) if cfg.eagle.version == 3 else (1,)
-            times: dict = {(name, k): [] for name in models for k in steps}
-            for batch in batches:
-                for k in steps:
-                    for name, m in models.items():
-                        start = time.perf_counter()
-                        loss, _ = m.ttt(batch, k)
-                        loss.backward()
-                        opts[name].step()
-                        opts[name].zero_grad()
-                        times[name, k].append(time.perf_counter() - start)
-            out["ms_per_step"][method] = {f"ttt_steps={k}": {name: round(1000 * statistics.median(times[name, k][1:]), 1)
-                                                              for name in models} for k in steps}
-            print(method, out["ms_per_step"][method], flush=True)
+    if args.baseline:
+        versions[args.baseline] = module_at(args.baseline)
+    out = {"settings": {"command": " ".join(["python scripts/bench_train_step.py", *sys.argv[1:]]),
+                        "batch": "4 packed rows x 256 tokens of each recipe's training data", "threads":
+                        torch.get_num_threads(), "repeats": args.repeats}, "ms_per_step": {}}
+    for method, recipe in RECIPES.items():
+        cfg = C.from_command_line(Recipe, REPO / recipe, ["--config", str(REPO / recipe)], "")
+        target = load_target(str(REPO / cfg.target.path))
+        rows = build_dataset(cfg.data, target.tokenizer)
+        ids = eagle.draft_vocab(rows, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
+            if cfg.eagle.version == 3 else None
+        models = {name: m.Eagle(target, m.EagleConfig(**vars(cfg.eagle)), ids).train() for name, m in versions.items()}
+        opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for name, m in models.items()}
+        batches = [collate([rows[i] for i in range(4 * r, 4 * r + 4)]) for r in range(args.repeats)]
+        steps = (1, 3, 5) if cfg.eagle.version == 3 else (1,)
+        times: dict = {(name, k): [] for name in models for k in steps}
+        for batch in batches:
+            for k in steps:
+                for name, m in models.items():
+                    start = time.perf_counter()
+                    loss, _ = m.ttt(batch, k)
+                    loss.backward()
+                    opts[name].step()
+                    opts[name].zero_grad()
+                    times[name, k].append(time.perf_counter() - start)
+        out["ms_per_step"][method] = {f"ttt_steps={k}": {name: round(1000 * statistics.median(times[name, k][1:]), 1)
+                                                          for name in models} for k in steps}
+        print(method, out["ms_per_step"][method], flush=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -401,11 +401,11 @@ class Eagle(nn.Module):
                 step_loss = step_loss + cfg.feature_weight * masked_mean(l1, valid)
             total = total + cfg.decay ** k * step_loss
             ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, s]
-            valid = valid & rows
+            counted = valid & rows  # [b, s] the positions the metrics count
             metrics[f"loss_{k}"] = step_loss.item()
-            metrics[f"acc_{k}"] = masked_mean(ok.float(), valid).item()
-            metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), valid & on_path).item()
-            metrics[f"accept_{k}"] = masked_mean(accept, valid[bi, ti]).item()
+            metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()
+            metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), counted & on_path).item()
+            metrics[f"accept_{k}"] = masked_mean(accept, counted[bi, ti]).item()
             on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics

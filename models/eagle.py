@@ -14,7 +14,10 @@ and the proposer, and differ in what goes in and comes out:
               L = sum_k decay^k D(p_k, q_k), p_k = softmax(target logits restricted to the draft vocab),
               D = forward KL (soft CE; EAGLE) or total variation (1 - TV(p, q) is the T=1 acceptance
               probability, DistillSpec); optionally + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's
-              feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3)
+              feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3);
+              optionally + w_in * SmoothL1(h_{t+1+k}, sg(g'_{t+1+k})), g' = fc(..) the fused input step 0 reads:
+              each output regressed on what step 0 reads one position on, the input the next step takes it for
+              (eagle.input_weight; EAGLE-1's regression carried into EAGLE-3's own input space)
 
 f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
 indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
@@ -27,7 +30,8 @@ position only (what the drafter's KV cache holds while drafting token k+1 at ser
 grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
 
 Cost: in training the draft head and loss run only at the positions the loss trains, gathered (a prompt's
-are not); the layer runs at every position, as attention needs.
+are not). Step 0's layer runs at every position, as attention needs; a later step's query reads the step-0 keys and
+its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains.
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
@@ -84,6 +88,7 @@ class EagleConfig:
     feature_noise: float = 0.0  # uniform noise on input features, (U - 0.5) * noise * 512 / seq_len (EAGLE-1: 0.2)
     feature_weight: float | None = None  # SmoothL1 on the target's next features; None: 1.0 (EAGLE-1), 0.0 (EAGLE-3)
     token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
+    input_weight: float = 0.0  # EAGLE-3: SmoothL1 of each step's output on fc(g) of the next position (what step 0 reads)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
@@ -107,6 +112,8 @@ class EagleConfig:
             (self.loss_chunk is None or self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0: the whole sequence)"),
             (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
             (self.feature_weight is None or self.feature_weight >= 0, "feature_weight", "must be >= 0"),
+            (self.input_weight >= 0 and (self.version == 3 or not self.input_weight), "input_weight",
+             "must be >= 0, and only EAGLE-3 fuses an input (EAGLE-1: feature_weight)"),
             (self.version == 3 or self.feature_weight != 0 or self.token_weight > 0, "feature_weight",
              "EAGLE-1 needs a positive feature_weight or token_weight"),
         ]:
@@ -213,12 +220,15 @@ class EagleDrafter(nn.Module):
         if self.version == 1:
             h = self.fc(torch.cat([emb, h], -1))  # [b, q, H]
         elif h.shape[-1] != self.config.hidden_size:  # fused target features [b, q, 3H] -> [b, q, H]
-            if self.fc_norm is not None:
-                h = torch.cat([norm(x) for norm, x in zip(self.fc_norm, h.chunk(len(self.fc_norm), -1), strict=True)],
-                              -1)
-            h = self.fc(h)
+            h = self.fuse(h)
         rope = self.rotary(h, position_ids)
         return self.midlayer(emb, h, rope, mask.to(h.dtype), cache)
+
+    def fuse(self, g: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]."""
+        if self.fc_norm is not None:
+            g = torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
+        return self.fc(g)
 
     def logits(self, out: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
         """Draft logits [.., Vd]: EAGLE-3's own head on norm(out), EAGLE-1 the target's head on out (Vd = V)."""
@@ -245,10 +255,20 @@ def additive(visible: torch.Tensor) -> torch.Tensor:
     return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
-def shift(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
-    """x [b, s, ...] moved n positions left along dim 1, the tail filled: shift(x, n)[:, t] = x[:, t + n]."""
-    tail = x.new_full((x.shape[0], n, *x.shape[2:]), fill)
-    return torch.cat([x[:, n:], tail], 1)
+def take(x: torch.Tensor, t: torch.Tensor, n: int = 0, fill=0) -> torch.Tensor:
+    """x [b, s, ...] at positions t + n, t [b, m] -> [b, m, ...]; past the end: fill."""
+    i = (t + n).view(*t.shape, *[1] * (x.dim() - 2))  # [b, m, 1...]
+    got = x.gather(1, i.clamp(max=x.shape[1] - 1).expand(*t.shape, *x.shape[2:]))
+    return got.masked_fill(i >= x.shape[1], fill)
+
+
+def later_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """needed [b, s] (a later unrolled step has a token to learn there) -> (t [b, m] the positions the steps after
+    step 0 run at, keep [b, m] which of them train): each row's needed positions in order, padded to the longest
+    row's count with positions that train nothing."""
+    order = (~needed).long().argsort(dim=1, stable=True)  # [b, s] needed positions first
+    t = order[:, :max(int(needed.sum(1).max()), 1)]  # [b, m]
+    return t, needed.gather(1, t)
 
 
 class Eagle(nn.Module):
@@ -378,35 +398,53 @@ class Eagle(nn.Module):
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        diag = torch.eye(s, dtype=torch.bool, device=ids.device).expand(b, s, s)
+        K = steps or (self.ttt_length() if self.training else cfg.ttt_steps)
+        t = torch.arange(s, device=ids.device).expand(b, s)  # [b, m] the positions this step's queries run at
+        keep = torch.ones_like(ids, dtype=torch.bool)  # [b, m] those of them that train
+
+        def valid_at(t: torch.Tensor, j: int) -> torch.Tensor:
+            """[b, m]: position t's step j - 1 has a target token to learn, x_{t+j+1} in t's sequence and loss-masked."""
+            return (take(seq, t, j + 1, -2) == take(seq, t)) & take(batch["loss_mask"], t, j + 1).bool()
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
+        if cfg.input_weight:  # step 0 reads fc(g); later steps are regressed on it, one position on
+            h = d.fuse(g)  # [b, s, H]
+            fused = h.detach()
         metrics: dict[str, float] = {}
-        for k in range(steps or (self.ttt_length() if self.training else cfg.ttt_steps)):
+        for k in range(K):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
-            mask = additive(torch.cat([causal] + [diag] * k, -1)[:, None])  # [b, 1, s, (k+1)s]
-            out = d(*self.step_input(k, shift(emb, j), h), pos + k, mask, cache)  # [b, s, H]
-            valid = (shift(seq, j + 1, -2) == seq) & shift(batch["loss_mask"], j + 1).bool()  # [b, s]
-            target_next = shift(greedy, j)  # [b, s]
+            if k == 1 and self.training:  # later steps run where one trains (a query reads step-0 keys and its own)
+                t, keep = later_positions(torch.stack([valid_at(t, i) for i in range(2, K + 1)]).any(0))
+                h, on_path = take(h, t), take(on_path, t)  # [b, m, H], [b, m]
+            m = t.shape[1]
+            mask = additive(torch.cat([causal.gather(1, t[..., None].expand(b, m, s))]
+                                      + [torch.eye(m, dtype=torch.bool, device=ids.device).expand(b, m, m)] * k,
+                                      -1)[:, None])  # [b, 1, m, s + k m]
+            out = d(*self.step_input(k, take(emb, t, j), h), take(pos, t) + k, mask, cache)  # [b, m, H]
+            valid = valid_at(t, j) & keep  # [b, m]
+            target_next = take(greedy, t, j)  # [b, m]
             trained = valid & d.t2d[target_next]  # a target argmax outside the draft vocabulary is not trained
-            rows = trained if self.training else torch.ones_like(valid)  # [b, s] where the head and loss run
+            rows = trained if self.training else torch.ones_like(valid)  # [b, m] where the head and loss run
             bi, ti = rows.nonzero(as_tuple=True)  # [N] each
-            tj = (ti + j).clamp(max=s - 1)  # past the end: never trained
+            tj = (t[bi, ti] + j).clamp(max=s - 1)  # [N] past the end: never trained
             div, top, accept = (x[0] for x in self.chunked_divergence(out[bi, ti][None], target_p[bi, tj][None],
                                                                       mass[bi, tj][None]))  # [N] each
             step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
-                read = out if cfg.version == 1 else d.norm(out)  # [b, s, H]
-                l1 = F.smooth_l1_loss(read, shift(f, j), reduction="none").mean(-1)  # [b, s]
+                read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]
+                l1 = F.smooth_l1_loss(read, take(f, t, j), reduction="none").mean(-1)  # [b, m]
                 step_loss = step_loss + cfg.feature_weight * masked_mean(l1, valid)
+            if cfg.input_weight:  # the output step k + 1 reads, against what step 0 reads at t + j
+                l1 = F.smooth_l1_loss(out[bi, ti], fused[bi, tj], reduction="none").mean(-1)  # [N]
+                step_loss = step_loss + cfg.input_weight * masked_mean(l1, trained[bi, ti])
             total = total + cfg.decay ** k * step_loss
-            ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, s]
-            counted = valid & rows  # [b, s] the positions the metrics count
+            ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, m]
+            counted = valid & rows  # [b, m] the positions the metrics count
             metrics[f"loss_{k}"] = step_loss.item()
             metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()
             metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), counted & on_path).item()
             metrics[f"accept_{k}"] = masked_mean(accept, counted[bi, ti]).item()
-            on_path = on_path & ok & (shift(ids, j + 1) == target_next)  # next step is fed what decoding would feed
+            on_path = on_path & ok & (take(ids, t, j + 1) == target_next)  # next step is fed what decoding would feed
             h = out
         return total, metrics
 

@@ -174,6 +174,27 @@ def test_eagle3_feature_weight_adds_smooth_l1_of_the_normed_output_against_the_n
     torch.testing.assert_close(fw.ttt(bt)[0], plain.ttt(bt)[0] + 0.5 * l1.mean(), atol=1e-5, rtol=1e-5)
 
 
+def test_eagle3_input_weight_regresses_each_output_on_what_step_0_reads_one_position_on():
+    """eagle.input_weight: + w * SmoothL1(h_t, fc(g_{t+1})) at the trained positions: the output the next unrolled
+    step reads in place of the fused input, against that input. EAGLE-1 has no fused input."""
+    target = tiny_target()
+    bt = batch(b=1, s=8)
+    draft_ids = torch.arange(0, V, 2)
+    plain = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, fc_norm=True)
+    iw = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, fc_norm=True, input_weight=0.5)
+    f, g = iw.features(bt)
+    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    out = iw.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)[0]
+    fused = iw.drafter.fuse(g)[0]  # [8, H]
+    kept = [t for t in range(6) if int(target.logits(f)[0, t + 1].argmax()) % 2 == 0]
+    l1 = torch.nn.functional.smooth_l1_loss(out[kept], fused[[t + 1 for t in kept]], reduction="none").mean(-1)
+    plain.drafter.load_state_dict(iw.drafter.state_dict())
+    torch.testing.assert_close(iw.ttt(bt)[0], plain.ttt(bt)[0] + 0.5 * l1.mean(), atol=1e-5, rtol=1e-5)
+    assert len(kept) > 0 and l1.mean() > 0
+    with pytest.raises(ConfigError, match="input_weight"):
+        EagleConfig(version=1, input_weight=1.0)
+
+
 def test_eagle3_tv_loss_is_the_total_variation_on_the_draft_vocab():
     """loss=tv: 1/2 sum |p - q| over the draft vocabulary (1 - TV = acceptance probability at T=1), same mask."""
     target = tiny_target()
@@ -282,9 +303,11 @@ def test_chunked_logits_give_the_same_loss_and_gradients(version, loss, logit_ch
 @pytest.mark.parametrize("version", [1, 3])
 def test_training_runs_the_head_at_the_trained_positions_alone_with_the_same_loss(version):
     """Training gathers the positions the loss trains (a prompt, a packed row's seam, a target argmax outside the
-    draft vocabulary are not) before the head; evaluation runs it everywhere and masks: the same loss and gradients."""
+    draft vocabulary are not) before the head, and runs the steps after step 0 at the positions a later step trains
+    (rows of unequal counts padded); evaluation runs everything everywhere and masks: the same loss and gradients."""
     bt = batch(b=2, s=13)
     bt["loss_mask"][:, :4] = 0  # a prompt
+    bt["loss_mask"][1, 7:10] = 0  # a longer one in the second sequence of row 1
     bt["position_ids"] = torch.cat([torch.arange(6), torch.arange(7)]).expand(2, 13)  # two packed sequences a row
     results = []
     for mode in ("train", "eval"):

@@ -60,7 +60,9 @@ def main() -> None:
         rows = build_dataset(cfg.data, target.tokenizer)
         ids = eagle.draft_vocab(rows, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
             if cfg.eagle.version == 3 else None
-        models = {name: m.Eagle(target, m.EagleConfig(**vars(cfg.eagle)), ids).train() for name, m in versions.items()}
+        models = {name: m.Eagle(target, m.EagleConfig(**{k: v for k, v in vars(cfg.eagle).items()  # the fields it has
+                                                         if k in m.EagleConfig.__dataclass_fields__}), ids).train()
+                  for name, m in versions.items()}
         opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for name, m in models.items()}
         batches = [collate([rows[i] for i in range(4 * r, 4 * r + 4)]) for r in range(args.repeats)]
         steps = (1, 3, 5) if cfg.eagle.version == 3 else (1,)

@@ -127,6 +127,16 @@ VARIANTS = {
     "y_e1_lc0": ("eagle1", ["eagle.loss_chunk=0"]),
     "y_v8192_lc0": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0"]),
     "y_v8192_lc0_t1": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0", "data.path={T1}"]),
+    # stop 34, 5 minutes each from the recipe of stop 33: each output regressed on the fused input step 0 reads one
+    # position on (input_weight); with it, the whole vocabulary, no unrolling, higher layers, EAGLE-1's regression
+    "w_e3": ("eagle3", []),
+    "w_e1": ("eagle1", []),
+    "w_input_1": ("eagle3", ["eagle.input_weight=1.0"]),
+    "w_input_3": ("eagle3", ["eagle.input_weight=3.0"]),
+    "w_input_1_vocab_8192": ("eagle3", ["eagle.input_weight=1.0", "eagle.draft_vocab_size=8192"]),
+    "w_input_1_ttt_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
+    "w_input_1_layers_467": ("eagle3", ["eagle.input_weight=1.0", "eagle.aux_layers=[4,6,7]"]),
+    "w_input_1_feature_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.feature_weight=1.0"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

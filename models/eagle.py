@@ -74,6 +74,7 @@ from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
 
 WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
+ALPHA_PRIOR, ALPHA_PRIOR_N = 0.7, 4  # sampled trees: first draws' acceptance before any verification, its weight
 
 
 @dataclasses.dataclass
@@ -524,7 +525,11 @@ class EagleProposer(Proposer):
     - tree (EAGLE-2 dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
       by their `top_k` children, scored by cumulative draft log-probability; the best `total_tokens`
       nodes over all depths form the tree (ancestors score at least as high as descendants, so it is
-      closed). Tree nodes are deterministic (q = point mass), which keeps exact verification exact.
+      closed). Greedy nodes are the top_k draft tokens. Sampled nodes are draws without replacement, and
+      a draw's chance to be accepted is not its q: the first draw is accepted as often as the drafter's
+      acceptance rate alpha (estimated from the verifications so far), a later draw only after the first's
+      rejection, in proportion to its share of the rest of q. Sampled nodes score by those chances, so the
+      first draws' chain (a sampled chain's own tokens) is kept before the siblings that widen it.
     """
 
     def __init__(self, drafter: EagleDrafter, embed: nn.Module, target_head: nn.Module, layers,
@@ -535,6 +540,7 @@ class EagleProposer(Proposer):
         self.drafter, self.embed, self.head = drafter, embed, target_head
         self.hidden_layers = tuple(layers) or (-1,)
         self.mode, self.gamma, self.top_k, self.depth, self.total_tokens = mode, gamma, top_k, depth, total_tokens
+        self.first_draws = [ALPHA_PRIOR * ALPHA_PRIOR_N, ALPHA_PRIOR_N]  # sampled trees: first draws accepted, tried
         self.reset()
 
     def reset(self) -> None:
@@ -554,6 +560,13 @@ class EagleProposer(Proposer):
         prompt's entries are fed at once (a cost per sequence, not per draft)."""
         if verified.hidden is None:
             return
+        tree = verified.tree
+        if tree is not None and tree.q is not None and self.mode == "tree":  # alpha: was each first draw accepted
+            parents = tree.parents.tolist()
+            for node, taken in zip([-1, *verified.path], [*verified.path, None], strict=True):
+                if node in parents:  # it has children, the first drawn is its lowest-index child
+                    self.first_draws[0] += taken == parents.index(node)
+                    self.first_draws[1] += 1
         k, m, H = verified.hidden.shape
         feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, k*H]
         self.pending.append((ids[ids.numel() - m:], feats))
@@ -614,10 +627,11 @@ class EagleProposer(Proposer):
     def _children(self, h: torch.Tensor, sampling: Sampling) -> list[list[tuple[int, float, torch.Tensor | None]]]:
         """Up to top_k children per row of outputs h [F, H]: (target token, log q, q drawn from).
 
-        Greedy: the top_k draft tokens, deterministic (q None). Sampling: top_k draws without replacement
-        from the warped draft distribution, each recording the renormalised q [Vd] it was drawn from
+        Greedy: the top_k draft tokens, deterministic (q None), scored by log q. Sampling: top_k draws without
+        replacement from the warped draft distribution, each recording the renormalised q [Vd] it was drawn from
         (`_over_target` spreads the kept nodes' q), so that the exact multi-round verifier (which tests
-        siblings in this order) stays exact.
+        siblings in this order) stays exact; scored by the log of its chance to be accepted: alpha for the first
+        draw, (1 - alpha) q(x) / (1 - q(x_first)) for a later one (the class docstring).
         """
         draft_ids = self.drafter.draft_ids  # [Vd]
         logits = self._draft_logits(h)  # [F, Vd]
@@ -634,9 +648,10 @@ class EagleProposer(Proposer):
             drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
             left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
             q_nodes = left / left.sum(-1, keepdim=True)  # [k, Vd]
-            logq = q[picks].log().tolist()
-            out.append([(int(draft_ids[j]), lq, qn)
-                        for j, lq, qn in zip(picks.tolist(), logq, q_nodes, strict=True)])
+            alpha = self.first_draws[0] / self.first_draws[1]
+            chance = torch.cat([q.new_tensor([alpha]), (1 - alpha) * q[picks[1:]] / (1 - q[picks[0]])])  # [k]
+            out.append([(int(draft_ids[j]), lc, qn)
+                        for j, lc, qn in zip(picks.tolist(), chance.log().tolist(), q_nodes, strict=True)])
         return out
 
     def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:

@@ -457,6 +457,31 @@ def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_th
                 assert tree.q[c, tree.tokens[e]] == 0 and tree.q[e, tree.tokens[c]] > 0
 
 
+def test_a_sampled_tree_scores_draws_by_their_chance_of_acceptance():
+    """At T=1 a draw is accepted about as often as the drafter's acceptance alpha (a first draw; a later sibling
+    only after the first's rejection), not as often as its q: with alpha high a budget of `depth` nodes buys the
+    chain of first draws, with alpha low the root's siblings; and the verifications teach alpha."""
+    target = tiny_target(seed=2)
+    target.lm_head.weight.data *= 10  # a peaked target
+    m = method(3, target=target)
+    m.drafter.lm_head.weight.data.zero_()  # a uniform q: each later sibling's share is 1/95
+    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
+    sampling = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+
+    def tree(first_draws: list[float] | None = None) -> list[int]:
+        p = m.proposer(mode="tree", top_k=3, depth=4, total_tokens=4)
+        p.first_draws = first_draws or p.first_draws
+        p.accept(prompt[0], Verified(None, [], None, torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])))
+        return p.propose(prompt[0], sampling).parents.tolist()
+    assert tree() == [-1, 0, 1, 2]  # alpha 0.7 before any verification
+    assert tree([0.01, 1.0]).count(-1) == 3  # alpha 0.01 < 0.99 / 95
+    p = m.proposer(mode="tree", top_k=3, depth=4, total_tokens=8)
+    speculative_generate(target.model, p, prompt, 24, sampling, eos_token_id=[])
+    assert p.first_draws[1] > 10 and p.first_draws[0] / p.first_draws[1] < 0.6  # uniform q on a peaked p: below 0.7
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampled_output_has_the_targets_distribution(mode):
     """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""

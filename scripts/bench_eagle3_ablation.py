@@ -137,6 +137,18 @@ VARIANTS = {
     "w_input_1_ttt_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
     "w_input_1_layers_467": ("eagle3", ["eagle.input_weight=1.0", "eagle.aux_layers=[4,6,7]"]),
     "w_input_1_feature_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.feature_weight=1.0"]),
+    # stops 35-36, 5 minutes each from the recipe of stop 34 (before feature_weight 3 and the whole vocabulary): EAGLE-1's
+    # regression at several weights, the whole vocabulary with it, feature noise, lr, the loss decay along the draft
+    "v_e3": ("eagle3", []),
+    "v_e1": ("eagle1", []),
+    "v_feature_3": ("eagle3", ["eagle.feature_weight=3.0"]),
+    "v_noise": ("eagle3", ["eagle.feature_noise=0.2"]),
+    "v_lr_3e-3": ("eagle3", ["loop.lr=3.0e-3"]),
+    "v_f3_v8192": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192"]),
+    "v_f3_v8192_d05": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192", "eagle.decay=0.5"]),
+    "v_f3_v8192_d09": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192", "eagle.decay=0.9"]),
+    "v_f1_v8192": ("eagle3", ["eagle.feature_weight=1.0", "eagle.draft_vocab_size=8192"]),
+    "v_f10": ("eagle3", ["eagle.feature_weight=10.0"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -523,13 +523,14 @@ class EagleProposer(Proposer):
     x_{p+1}, at rope position p), so drafting always restarts from the target's own hidden states. Then:
     - chain: gamma tokens, each fed back with the drafter's output hidden state;
     - tree (EAGLE-2 dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
-      by their `top_k` children, scored by cumulative draft log-probability; the best `total_tokens`
+      by their `top_k` children, scored by the cumulative log of a score per node; the best `total_tokens`
       nodes over all depths form the tree (ancestors score at least as high as descendants, so it is
-      closed). Greedy nodes are the top_k draft tokens. Sampled nodes are draws without replacement, and
-      a draw's chance to be accepted is not its q: the first draw is accepted as often as the drafter's
-      acceptance rate alpha (estimated from the verifications so far), a later draw only after the first's
-      rejection, in proportion to its share of the rest of q. Sampled nodes score by those chances, so the
-      first draws' chain (a sampled chain's own tokens) is kept before the siblings that widen it.
+      closed). Greedy nodes are the top_k draft tokens, scored by their draft probability q. Sampled nodes
+      are draws without replacement, and a draw's chance to be accepted is not its q: the first draw is
+      accepted as often as the drafter's acceptance rate alpha (estimated from the verifications so far), a
+      later draw only after the first's rejection, in proportion to its share of the rest of q. Sampled
+      nodes score by those chances (each <= 1, so the tree stays closed), and the first draws' chain (a
+      sampled chain's own tokens) is kept before the siblings that widen it.
     """
 
     def __init__(self, drafter: EagleDrafter, embed: nn.Module, target_head: nn.Module, layers,
@@ -639,7 +640,7 @@ class EagleProposer(Proposer):
             top = F.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), -1)
             return [[(int(draft_ids[i]), lp, None) for lp, i in zip(v.tolist(), x.tolist(), strict=True)]
                     for v, x in zip(top.values, top.indices, strict=True)]
-        out = []
+        out, alpha = [], self.first_draws[0] / self.first_draws[1]
         for q in warp(logits, sampling):  # [Vd] per row
             k = min(self.top_k, int((q > 0).sum()))
             # k sequential draws without replacement, each from q renormalised over what is left (multinomial
@@ -648,7 +649,6 @@ class EagleProposer(Proposer):
             drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
             left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
             q_nodes = left / left.sum(-1, keepdim=True)  # [k, Vd]
-            alpha = self.first_draws[0] / self.first_draws[1]
             chance = torch.cat([q.new_tensor([alpha]), (1 - alpha) * q[picks[1:]] / (1 - q[picks[0]])])  # [k]
             out.append([(int(draft_ids[j]), lc, qn)
                         for j, lc, qn in zip(picks.tolist(), chance.log().tolist(), q_nodes, strict=True)])

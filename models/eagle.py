@@ -251,6 +251,28 @@ def draft_vocab(dataset, vocab_size: int, size: int) -> torch.Tensor:
     return torch.tensor(sorted(order[:size]))
 
 
+class ForwardKL(torch.autograd.Function):
+    """(-sum_v p_v log q_v [..], q [.., V]) with q = softmax(z), z [.., V] the draft logits, p [.., V] the teacher.
+
+    The same value and gradient, dz = (q sum_v p_v - p) per unit of loss, as log_softmax + sum under autograd, which
+    keeps log q and recomputes its exp in the backward: here one [.., V] buffer, q, is made and kept, and is also
+    what the acceptance metric reads (on CPU, passes over fresh [.., V] buffers dominate an EAGLE-3 step)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = z.logsumexp(-1, keepdim=True)  # [.., 1]
+        q = (z - lse).exp_()  # [.., V]
+        p_sum = p.sum(-1, keepdim=True)  # [.., 1] (1, or 0 at an untrained row)
+        ctx.save_for_backward(q, p, p_sum)
+        ctx.mark_non_differentiable(q)
+        return (lse * p_sum).squeeze(-1) - (p * z).sum(-1), q
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        q, p, p_sum = ctx.saved_tensors
+        return (q * p_sum).sub_(p).mul_(grad[..., None]), None
+
+
 def additive(visible: torch.Tensor) -> torch.Tensor:
     """Bool visibility -> additive mask (0 where visible, -inf elsewhere), same shape."""
     return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
@@ -331,17 +353,18 @@ class Eagle(nn.Module):
         return zip(*(x.split(n, 1) for x in xs), strict=True)
 
     @torch.no_grad()
-    def teacher(self, f: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor] | None = None
+    def teacher(self, f: torch.Tensor, cached: tuple[torch.Tensor, torch.Tensor] | None = None, batch: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """f [b, s, H] -> (p [b, s, Vd] the target's softmax renormalised over the draft vocabulary, mass [b, s] the
         target's probability on the draft vocabulary, greedy [b, s] its argmax over the whole vocabulary);
-        full-vocabulary logits [b, chunk, V] exist for one chunk at a time. With `cached` (EAGLE-3 from a hidden-state
-        cache: log_z, greedy [b, s], the whole vocabulary's log-normaliser and argmax) the head runs over the draft
+        full-vocabulary logits [b, batch x logit_chunk, V] exist for one chunk at a time (f [1, n, H] gathered from a
+        batch of `batch` rows: the peak of that batch's chunk). With `cached` (EAGLE-3 from a hidden-state cache:
+        log_z, greedy [b, s], the whole vocabulary's log-normaliser and argmax) the head runs over the draft
         vocabulary's rows only."""
         v3 = self.cfg.version == 3
         rows = self.drafter.draft_ids if v3 and cached is not None else None
         ps, masses, greedy = [], [], []
-        for x, *known in self.chunks(f, *(cached if rows is not None else ())):
+        for x, *known in self.chunks(f, *(cached if rows is not None else ()), n=batch * self.cfg.logit_chunk):
             logits = self.target.logits(x.to(self.target.lm_head.weight.dtype), rows).float()  # [b, c, V or Vd]
             if rows is None:
                 known = [logits.logsumexp(-1), logits.argmax(-1)]  # [b, c] each
@@ -358,11 +381,14 @@ class Eagle(nn.Module):
         accept [b, c]), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
         = 1 - sum min(p, q). accept = sum_v min(mass p_v, q_v): the probability that exact verification at
         temperature 1 accepts a token drawn from q, against the target's whole-vocabulary distribution."""
-        log_q = F.log_softmax(self.drafter.logits(out, self.target.lm_head).float(), -1)  # [b, c, Vd]
-        q = log_q.exp()
+        z = self.drafter.logits(out, self.target.lm_head).float()  # [b, c, Vd]
+        if self.cfg.loss == "kl":
+            d, q = ForwardKL.apply(z, p)  # [b, c], [b, c, Vd]
+        else:
+            q = F.softmax(z, -1)
+            d = 0.5 * (p - q).abs().sum(-1)
         accept = torch.minimum(p * mass[..., None], q.detach()).sum(-1)
-        d = 0.5 * (p - q).abs().sum(-1) if self.cfg.loss == "tv" else -(p * log_q).sum(-1)
-        return d, log_q.argmax(-1), accept
+        return d, z.argmax(-1), accept
 
     def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -391,14 +417,6 @@ class Eagle(nn.Module):
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
-        cached = (batch["log_z"], batch["greedy"]) if "log_z" in batch else None  # offline, EAGLE-3
-        target_p, mass, greedy = self.teacher(f, cached)  # [b, s, Vd], [b, s], [b, s] the target's next token
-        with torch.no_grad():
-            emb = self.target.embed(ids).float()  # [b, s, H]
-        if self.training and cfg.feature_noise:
-            g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
-        same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
-        causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         K = steps or (self.ttt_length() if self.training else cfg.ttt_steps)
         t = torch.arange(s, device=ids.device).expand(b, s)  # [b, m] the positions this step's queries run at
         keep = torch.ones_like(ids, dtype=torch.bool)  # [b, m] those of them that train
@@ -406,6 +424,19 @@ class Eagle(nn.Module):
         def valid_at(t: torch.Tensor, j: int) -> torch.Tensor:
             """[b, m]: position t's step j - 1 has a target token to learn, x_{t+j+1} in t's sequence and loss-masked."""
             return (take(seq, t, j + 1, -2) == take(seq, t)) & take(batch["loss_mask"], t, j + 1).bool()
+        # the teacher runs where a step learns the next token (in training; everywhere in evaluation); row[u] is
+        # position u's row of its outputs
+        need = valid_at(t, 0) if self.training else torch.ones_like(keep)  # [b, s]
+        row = need.flatten().cumsum(0).view(b, s) - 1  # [b, s]
+        cached = (batch["log_z"][need][None], batch["greedy"][need][None]) if "log_z" in batch else None  # offline
+        target_p, mass, greedy = (x[0] for x in self.teacher(f[need][None], cached, b))  # [n, Vd], [n], [n]
+        greedy = torch.zeros_like(ids).masked_scatter(need, greedy)  # [b, s] the target's next token
+        with torch.no_grad():
+            emb = self.target.embed(ids).float()  # [b, s, H]
+        if self.training and cfg.feature_noise:
+            g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
+        same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
+        causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         if cfg.input_weight:  # step 0 reads fc(g); later steps are regressed on it, one position on
@@ -428,8 +459,8 @@ class Eagle(nn.Module):
             rows = trained if self.training else torch.ones_like(valid)  # [b, m] where the head and loss run
             bi, ti = rows.nonzero(as_tuple=True)  # [N] each
             tj = (t[bi, ti] + j).clamp(max=s - 1)  # [N] past the end: never trained
-            div, top, accept = (x[0] for x in self.chunked_divergence(out[bi, ti][None], target_p[bi, tj][None],
-                                                                      mass[bi, tj][None]))  # [N] each
+            div, top, accept = (x[0] for x in self.chunked_divergence(out[bi, ti][None], target_p[row[bi, tj]][None],
+                                                                      mass[row[bi, tj]][None]))  # [N] each
             step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]

@@ -25,7 +25,7 @@ from draftsmith.models import eagle
 from draftsmith.models.target import load_target
 from draftsmith.train import config as C
 from draftsmith.train.eagle import Recipe
-from draftsmith.train.loop import collate
+from draftsmith.train.loop import collate, keep_freed_memory
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = {"eagle1": "recipes/eagle/tiny-code.yaml", "eagle3": "recipes/eagle3/tiny-code.yaml"}
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/train_step.json")
     args = parser.parse_args()
     torch.manual_seed(0)
+    keep_freed_memory()  # as the training loop does on CPU
     versions = {"now": eagle}
     if args.baseline:
         versions[args.baseline] = module_at(args.baseline)

@@ -19,6 +19,7 @@ from draftsmith.models.eagle import (
     Eagle,
     EagleConfig,
     EagleProposer,
+    ForwardKL,
     default_aux_layers,
     draft_vocab,
     load_eagle,
@@ -321,6 +322,24 @@ def test_training_runs_the_head_at_the_trained_positions_alone_with_the_same_los
     assert ga.keys() == gb.keys()
     for n in ga:  # float32 sums in another order: as in the chunked-logits test
         assert float((ga[n] - gb[n]).abs().max()) <= 2e-3 * max(1.0, float(ga[n].abs().max())), n
+
+
+def test_forward_kl_has_log_softmax_value_and_gradient():
+    """The fused loss against -sum p log_softmax(z) under autograd, including a row with no teacher mass (an
+    untrained position): value, q and the gradient."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 11, generator=g, dtype=torch.double, requires_grad=True)
+    p = torch.softmax(torch.randn(2, 3, 11, generator=g, dtype=torch.double), -1)
+    p[1, 2] = 0
+    w = torch.randn(2, 3, generator=g, dtype=torch.double)  # an upstream gradient that is not all ones
+    d, q = ForwardKL.apply(z, p)
+    (grad,) = torch.autograd.grad((d * w).sum(), z)
+    ref = -(p * torch.log_softmax(z, -1)).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref * w).sum(), z)
+    torch.testing.assert_close(d, ref)
+    torch.testing.assert_close(q, torch.softmax(z, -1).detach())
+    torch.testing.assert_close(grad, ref_grad)
+    assert not q.requires_grad
 
 
 def test_loss_mask_selects_the_predicted_tokens():

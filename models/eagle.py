@@ -31,8 +31,8 @@ grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
 
 Cost: in training the draft head and loss run only at the positions the loss trains, gathered (a prompt's
 are not), and the teacher's full-vocabulary head only where a step learns the next token; the forward KL is one fused
-function (`ForwardKL`). Step 0's layer runs at every position, as attention needs; a later step's query reads the step-0 keys and
-its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains.
+function (`ForwardKL`). Step 0's layer runs at every position, as attention needs; a later step's query reads the
+step-0 keys and its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains.
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`

@@ -430,8 +430,8 @@ class Eagle(nn.Module):
         need = valid_at(t, 0) if self.training else torch.ones_like(keep)  # [b, s]
         row = need.flatten().cumsum(0).view(b, s) - 1  # [b, s]
         cached = (batch["log_z"][need][None], batch["greedy"][need][None]) if "log_z" in batch else None  # offline
-        target_p, mass, greedy = (x[0] for x in self.teacher(f[need][None], cached, b))  # [n, Vd], [n], [n]
-        greedy = torch.zeros_like(ids).masked_scatter(need, greedy)  # [b, s] the target's next token
+        target_p, mass, top_n = (x[0] for x in self.teacher(f[need][None], cached, b))  # [n, Vd], [n], [n]
+        greedy = torch.zeros_like(ids).masked_scatter(need, top_n)  # [b, s] the target's next token
         with torch.no_grad():
             emb = self.target.embed(ids).float()  # [b, s, H]
         if self.training and cfg.feature_noise:

@@ -47,7 +47,7 @@ def verify_cost_curve(model, ks: tuple[int, ...] = KS, context: int = 200, repea
     lazy, forward = lazy_head(model, device), decoder_forward(model, device)
     head = lm_head(model, forward)
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g, device=device)  # [1, context + K]
+    ids = torch.randint(0, vocab, (1, context + max(ks)), generator=g).to(device)  # [1, context + K]
     cache = kv.new_cache()
     forward(input_ids=ids[:, :context], position_ids=torch.arange(context, device=device)[None], cache=cache,
             use_cache=True)  # the context (no [context, V] logits)

@@ -67,8 +67,9 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a [V] distribution, drawn on the CPU where the seeded generator lives (the same draws on
+    any device)."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def accept_greedy(tree: DraftTree, logits) -> tuple[list[int], int]:

@@ -69,6 +69,15 @@ def test_target_missing_or_truncated_is_named(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_targets_load_without_hub_kernels():
+    """transformers swaps layers for Hub kernels at load by default; on a GPU that needs the network (a load
+    fails offline, as it did on the H200 check) and changes the target's numerics. draftsmith turns it off."""
+    from draftsmith.models.target import load_target
+
+    assert os.environ["USE_HUB_KERNELS"] == "NO"
+    assert load_target(REFERENCE_TARGET).model.use_kernels is False
+
+
 @pytest.mark.parametrize("content, expected", [
     ("", "is empty; give a file with one JSON object per line"),
     ('{"messages": [{"role": "user", "content": "hi"}]}\n{not json\n', ":2: not valid JSON"),

@@ -1,7 +1,7 @@
 """Throughput check of every recipe on one GPU, into benchmarks/gpu.json.
 
     draftsmith gpu-check                 # one GPU (sized for an H200, ~10 min): ~1B target, bf16, 200 steps each
-    draftsmith gpu-check --smoke         # CPU, tiny target, 6 steps each: checks the whole check end to end
+    draftsmith gpu-check --smoke         # CPU, tiny target, 6 steps each (bf16 too): the whole check end to end
     bash scripts/gpu_check.sh [--smoke]  # the same from a checkout
 
 Builds a Llama target from a config (random weights: throughput does not depend on them) with the reference
@@ -9,6 +9,9 @@ target's tokenizer, saves it with save_pretrained, then runs each recipe (Medusa
 EAGLE-3, distillation) in-process through its entry script's main(). Per recipe it records training tokens/s
 (evaluations excluded), peak GPU memory, and the step time split between the frozen target's forward and the rest
 (drafter forward, backward, optimizer), timed by hooks on the target's decoder with a device synchronisation.
+Then it decodes with the trained drafter (`draftsmith evaluate`: tau at T=0 and T=1, and whether greedy speculative
+output equals the target's own greedy output) with the target in float32 and in bfloat16. The report is rewritten
+after each recipe, so a check cut short keeps the recipes it finished.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.target import REFERENCE_TARGET, Target
 from draftsmith.recipes import RECIPES
+from draftsmith.train import evaluate
 from draftsmith.train.entries import TRAIN
 
 # ~1.03B parameters (TinyLlama's shape with the reference vocabulary of 8192), or a tiny one for --smoke
@@ -112,8 +116,8 @@ def build_target(out: Path, smoke: bool) -> dict:
 def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
     """Train one recipe in-process under the timer; its throughput record."""
     method, recipe, precision, extra = CHECKS[name]
-    precise = [] if smoke else [o for key, o in (("bf16", "loop.mixed_precision=bf16"),
-                                                 ("frozen", "target.dtype=bfloat16")) if key in precision]
+    precise = [o for key, o in (("bf16", "loop.mixed_precision=bf16"), ("frozen", "target.dtype=bfloat16"))
+               if key in precision]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -138,10 +142,26 @@ def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     if evals:
         out["eval_seconds"] = evals[-1].get("eval/eval_seconds")
-    print(f"{name}: {json.dumps(out)}", flush=True)
     del loop
     gc.collect()  # the next recipe's peak memory is its own
+    out["decode"] = {dtype: decode(work / name, dtype, smoke) for dtype in ("float32", "bfloat16")}
+    print(f"{name}: {json.dumps(out)}", flush=True)
     return out
+
+
+def decode(run: Path, dtype: str, smoke: bool) -> dict:
+    """Real speculative decoding with the run's best drafter, the target in `dtype`: tau at T=0 and T=1, speedup
+    at T=0, and greedy equality with the target's own decoding; an error is recorded, not raised, so that one
+    failing decode leaves the other recipes' figures."""
+    try:
+        r = evaluate.main(["--drafter", str(run / "best"), "--num-prompts", "4", "--max-new-tokens",
+                           "8" if smoke else "64", "--temperatures", "0", "1", "--dtype", dtype,
+                           "--out", str(run / f"decode_{dtype}.json")])
+    except Exception as e:  # the check reports what failed and goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+    t0, t1 = r["by_temperature"]["0"], r["by_temperature"]["1"]
+    return {"tau_t0": round(t0["tau"], 3), "tau_t1": round(t1["tau"], 3), "speedup_t0": round(t0["speedup"], 3),
+            "greedy_matches_target": t0["greedy_matches_target"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -164,20 +184,24 @@ def main(argv: list[str] | None = None) -> dict:
     common = [f"target.path={work / 'target'}", f"loop.max_steps={steps}", f"loop.save_every={steps}",
               f"loop.batch_size={batch}", f"loop.log_every={max(1, steps // 10)}", "loop.keep_last=1",
               f"data.max_length={length}", f"data.limit={steps * batch * 2}", "eval.num_prompts=2",
-              f"eval.max_new_tokens={8 if args.smoke else 32}"]
-    results = {name: run(name, work, common, args.smoke) for name in args.recipes}
+              f"eval.max_new_tokens={8 if args.smoke else 32}",
+              "loop.divergence_factor=0"]  # random weights: loss spikes say nothing; stop on NaN/inf only
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
         f"CPU ({platform.processor() or 'unknown'}, {torch.get_num_threads()} threads)"
     report = {"mode": "smoke" if args.smoke else "gpu", "device": device, "torch": torch.__version__, "target": target,
               "run": {"steps": steps, "batch_size": batch, "max_length": length,
-                      "precision": "fp32" if args.smoke else "bf16 autocast; frozen targets stored in bf16",
+                      "precision": "bf16 autocast; frozen targets stored in bf16",
                       "timing": "target_forward_seconds: frozen target decoder forward, synchronised; rest: drafter, "
-                                "backward, optimizer; evaluation excluded"},
-              "recipes": results}
+                                "backward, optimizer; evaluation excluded",
+                      "decode": "draftsmith evaluate on the best checkpoint: 4 held-out prompts x "
+                                f"{8 if args.smoke else 64} tokens, T=0 and T=1, target in float32 and bfloat16"},
+              "recipes": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(out)
+    for name in args.recipes:
+        report["recipes"][name] = run(name, work, common, args.smoke)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(out)
     print(f"wrote {out}")
     return report
 

@@ -662,8 +662,8 @@ class Loop:
             t = time.perf_counter()
             acc = self.accelerator
             self.method.eval()
-            with torch.no_grad(), self._evaluation_context(), \
-                    sharded(Shard(acc.process_index, acc.num_processes, self.sharded)):
+            with torch.no_grad(), acc.autocast(), self._evaluation_context(), \
+                    sharded(Shard(acc.process_index, acc.num_processes, self.sharded)):  # training's precision
                 metrics = self.evaluate(self.unwrapped, self.state.step)
             self.method.train()
             metrics = broadcast_object_list([metrics])[0]  # rank 0's figures (per-rank timings differ)

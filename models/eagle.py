@@ -12,8 +12,9 @@ and the proposer, and differ in what goes in and comes out:
               -> h_{t+1}; logits = lm_head(norm(h)) over a pruned draft vocabulary; lm_head starts from the
               target's head rows picked by t2d (frozen or trained; speculators), or random (SpecForge)
               L = sum_k decay^k D(p_k, q_k), p_k = softmax(target logits restricted to the draft vocab),
-              D = forward KL (soft CE; EAGLE) or total variation (1 - TV(p, q) is the T=1 acceptance
-              probability, DistillSpec); optionally + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's
+              D = forward KL (soft CE; EAGLE), total variation (1 - TV(p, q) is the T=1 acceptance
+              probability, DistillSpec) or LK's negative log-acceptance -log sum min(p, q) (Samarin et al. 2026,
+              arXiv 2602.23881: TV's gradient scaled by 1/acceptance); optionally + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's
               feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3);
               optionally + w_in * SmoothL1(h_{t+1+k}, sg(g'_{t+1+k})), g' = fc(..) the fused input step 0 reads:
               each output regressed on what step 0 reads one position on, the input the next step takes it for
@@ -95,7 +96,7 @@ class EagleConfig:
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
-    loss: Literal["kl", "tv"] = "kl"  # D per step: forward KL (soft CE) or total variation
+    loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
     logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
     loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk
 
@@ -109,7 +110,8 @@ class EagleConfig:
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
             (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
             (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
-            (self.loss in ("kl", "tv"), "loss", "must be kl (forward KL) or tv (total variation)"),
+            (self.loss in ("kl", "tv", "lk"), "loss",
+             "must be kl (forward KL), tv (total variation) or lk (negative log-acceptance)"),
             (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
             (self.loss_chunk is None or self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0: the whole sequence)"),
             (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
@@ -380,16 +382,17 @@ class Eagle(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """out [b, c, H], p [b, c, Vd], mass [b, c] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids,
         accept [b, c]), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
-        = 1 - sum min(p, q). accept = sum_v min(mass p_v, q_v): the probability that exact verification at
-        temperature 1 accepts a token drawn from q, against the target's whole-vocabulary distribution."""
+        = 1 - sum min(p, q); lk: -log accept. accept = sum_v min(mass p_v, q_v): the probability that exact
+        verification at temperature 1 accepts a token drawn from q, against the target's whole-vocabulary
+        distribution."""
         z = self.drafter.logits(out, self.target.lm_head).float()  # [b, c, Vd]
         if self.cfg.loss == "kl":
             d, q = ForwardKL.apply(z, p)  # [b, c], [b, c, Vd]
-        else:
-            q = F.softmax(z, -1)
-            d = 0.5 * (p - q).abs().sum(-1)
-        accept = torch.minimum(p * mass[..., None], q.detach()).sum(-1)
-        return d, z.argmax(-1), accept
+            return d, z.argmax(-1), torch.minimum(p * mass[..., None], q.detach()).sum(-1)
+        q = F.softmax(z, -1)
+        accept = torch.minimum(p * mass[..., None], q).sum(-1)  # [b, c]
+        d = 0.5 * (p - q).abs().sum(-1) if self.cfg.loss == "tv" else -accept.clamp_min(1e-6).log()
+        return d, z.argmax(-1), accept.detach()
 
     def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

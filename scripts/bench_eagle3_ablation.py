@@ -158,6 +158,11 @@ VARIANTS = {
     "x_ttt2_v8192_noise": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0", "eagle.draft_vocab_size=8192",
                                       "eagle.feature_noise=0.2"]),
     "x_ttt3_v8192": ("eagle3", ["eagle.ttt_steps=3", "eagle.ttt_ramp=0.0", "eagle.draft_vocab_size=8192"]),
+    # stop 38, 5 minutes each from stop 37's recipe (the whole vocabulary): LK's negative log-acceptance loss
+    "y_e3": ("eagle3", []),
+    "y_e1": ("eagle1", []),
+    "y_lk": ("eagle3", ["eagle.loss=lk"]),
+    "y_lk_v4096": ("eagle3", ["eagle.loss=lk", "eagle.draft_vocab_size=4096"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -281,7 +281,29 @@ def test_ttt_ramp_grows_the_unrolled_steps_from_1_to_ttt_steps():
     assert method(3, ttt_steps=5).ttt_length() == 5  # constant by default
 
 
-@pytest.mark.parametrize("version,loss", [(3, "kl"), (3, "tv"), (1, "kl")])
+def test_eagle3_lk_loss_is_the_negative_log_acceptance():
+    """loss=lk: -log sum_v min(mass p_v, q_v), the T=1 acceptance against the target's whole distribution (p renormalised
+    on the draft vocabulary times the mass it holds), over the same positions as the other losses."""
+    target = tiny_target()
+    bt = batch(b=1, s=8)
+    draft_ids = torch.arange(0, V, 2)
+    lk = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, loss="lk")
+    f, g = lk.features(bt)
+    logits = target.logits(f)[0]  # [s, V]
+    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    out = lk.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)
+    q = torch.softmax(lk.drafter.logits(out, target.lm_head)[0], -1)  # [7, Vd]
+    kept = [t for t in range(6) if int(logits[t + 1].argmax()) % 2 == 0]
+    full = [torch.softmax(logits[t + 1], -1) for t in range(7)]  # the target's whole distribution, [V] each
+    accept = [torch.minimum(full[t][draft_ids], q[t]).sum() for t in kept]
+    value, metrics = lk.ttt(bt)
+    torch.testing.assert_close(value, sum(-a.log() for a in accept) / len(kept), atol=1e-5, rtol=1e-5)
+    # the acceptance metric counts every trained position, the ones whose next token lies outside the draft vocab too
+    every = [float(torch.minimum(full[t][draft_ids], q[t]).sum()) for t in range(6)]
+    assert metrics["accept_0"] == pytest.approx(sum(every) / 6, abs=1e-5)
+
+
+@pytest.mark.parametrize("version,loss", [(3, "kl"), (3, "tv"), (3, "lk"), (1, "kl")])
 @pytest.mark.parametrize("logit_chunk,loss_chunk", [(5, None), (5, 0), (0, 4)])
 def test_chunked_logits_give_the_same_loss_and_gradients(version, loss, logit_chunk, loss_chunk):
     """Chunks of 5 or 4 positions (not dividing the sequence) for the teacher's logits and/or the draft loss against

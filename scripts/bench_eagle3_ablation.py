@@ -163,6 +163,9 @@ VARIANTS = {
     "y_e1": ("eagle1", []),
     "y_lk": ("eagle3", ["eagle.loss=lk"]),
     "y_lk_v4096": ("eagle3", ["eagle.loss=lk", "eagle.draft_vocab_size=4096"]),
+    "y_b2": ("eagle3", ["loop.batch_size=2"]),
+    "y_b2_lr3e-3": ("eagle3", ["loop.batch_size=2", "loop.lr=3.0e-3"]),
+    "y_e1_b2": ("eagle1", ["loop.batch_size=2"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

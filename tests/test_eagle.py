@@ -196,22 +196,32 @@ def test_eagle3_input_weight_regresses_each_output_on_what_step_0_reads_one_posi
         EagleConfig(version=1, input_weight=1.0)
 
 
-def test_eagle3_tv_loss_is_the_total_variation_on_the_draft_vocab():
-    """loss=tv: 1/2 sum |p - q| over the draft vocabulary (1 - TV = acceptance probability at T=1), same mask."""
+@pytest.mark.parametrize("loss", ["tv", "lk"])
+def test_eagle3_acceptance_losses_by_hand(loss):
+    """Over the positions whose next token lies in the draft vocabulary (the KL's mask), q the draft softmax, p the
+    target's softmax renormalised on the draft vocabulary: loss=tv is 1/2 sum |p - q| (1 - TV = acceptance at T=1
+    against p); loss=lk is -log sum_v min(P_v, q_v) with P the target's whole distribution (LK's negative
+    log-acceptance). The acceptance metric counts every trained position."""
     target = tiny_target()
     bt = batch(b=1, s=8)
     draft_ids = torch.arange(0, V, 2)
     kl = method(3, ttt_steps=1, draft_ids=draft_ids, target=target)
-    tv = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, loss="tv")
-    f, g = tv.features(bt)
+    m = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, loss=loss)
+    f, g = m.features(bt)
     logits = target.logits(f)[0]  # [s, V]
     mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
-    out = tv.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)
-    q = torch.softmax(tv.drafter.logits(out, target.lm_head)[0], -1)  # [7, Vd]
+    out = m.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)
+    q = torch.softmax(m.drafter.logits(out, target.lm_head)[0], -1)  # [7, Vd]
     kept = [t for t in range(6) if int(logits[t + 1].argmax()) % 2 == 0]
-    want = sum(0.5 * (torch.softmax(logits[t + 1][draft_ids], -1) - q[t]).abs().sum() for t in kept) / len(kept)
-    torch.testing.assert_close(tv.ttt(bt)[0], want, atol=1e-5, rtol=1e-5)
-    assert 0 < want < 1 and not torch.allclose(kl.ttt(bt)[0], want)
+    accept = [torch.minimum(torch.softmax(logits[t + 1], -1)[draft_ids], q[t]).sum() for t in range(6)]
+    if loss == "tv":
+        want = sum(0.5 * (torch.softmax(logits[t + 1][draft_ids], -1) - q[t]).abs().sum() for t in kept) / len(kept)
+    else:
+        want = sum(-accept[t].log() for t in kept) / len(kept)
+    value, metrics = m.ttt(bt)
+    torch.testing.assert_close(value, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(kl.ttt(bt)[0], want)
+    assert metrics["accept_0"] == pytest.approx(float(sum(accept) / 6), abs=1e-5)
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -279,28 +289,6 @@ def test_ttt_ramp_grows_the_unrolled_steps_from_1_to_ttt_steps():
     assert {k for k in m(batch())[1] if k.startswith("loss_")} == {"loss_0", "loss_1", "loss_2"}
     assert len([k for k in m.eval().ttt(batch())[1] if k.startswith("loss_")]) == 5  # evaluation: all steps
     assert method(3, ttt_steps=5).ttt_length() == 5  # constant by default
-
-
-def test_eagle3_lk_loss_is_the_negative_log_acceptance():
-    """loss=lk: -log sum_v min(mass p_v, q_v), the T=1 acceptance against the target's whole distribution (p renormalised
-    on the draft vocabulary times the mass it holds), over the same positions as the other losses."""
-    target = tiny_target()
-    bt = batch(b=1, s=8)
-    draft_ids = torch.arange(0, V, 2)
-    lk = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, loss="lk")
-    f, g = lk.features(bt)
-    logits = target.logits(f)[0]  # [s, V]
-    mask = torch.zeros(1, 1, 7, 7).masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
-    out = lk.drafter(target.embed(bt["input_ids"][:, 1:]), g[:, :-1], bt["position_ids"][:, :-1], mask, None)
-    q = torch.softmax(lk.drafter.logits(out, target.lm_head)[0], -1)  # [7, Vd]
-    kept = [t for t in range(6) if int(logits[t + 1].argmax()) % 2 == 0]
-    full = [torch.softmax(logits[t + 1], -1) for t in range(7)]  # the target's whole distribution, [V] each
-    accept = [torch.minimum(full[t][draft_ids], q[t]).sum() for t in kept]
-    value, metrics = lk.ttt(bt)
-    torch.testing.assert_close(value, sum(-a.log() for a in accept) / len(kept), atol=1e-5, rtol=1e-5)
-    # the acceptance metric counts every trained position, the ones whose next token lies outside the draft vocab too
-    every = [float(torch.minimum(full[t][draft_ids], q[t]).sum()) for t in range(6)]
-    assert metrics["accept_0"] == pytest.approx(sum(every) / 6, abs=1e-5)
 
 
 @pytest.mark.parametrize("version,loss", [(3, "kl"), (3, "tv"), (3, "lk"), (1, "kl")])

@@ -14,8 +14,8 @@ and the proposer, and differ in what goes in and comes out:
               L = sum_k decay^k D(p_k, q_k), p_k = softmax(target logits restricted to the draft vocab),
               D = forward KL (soft CE; EAGLE), total variation (1 - TV(p, q) is the T=1 acceptance
               probability, DistillSpec) or LK's negative log-acceptance -log sum min(p, q) (Samarin et al. 2026,
-              arXiv 2602.23881: TV's gradient scaled by 1/acceptance); optionally + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's
-              feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3);
+              arXiv 2602.23881: TV's gradient scaled by 1/acceptance); optionally
+              + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3);
               optionally + w_in * SmoothL1(h_{t+1+k}, sg(g'_{t+1+k})), g' = fc(..) the fused input step 0 reads:
               each output regressed on what step 0 reads one position on, the input the next step takes it for
               (eagle.input_weight; EAGLE-1's regression carried into EAGLE-3's own input space)
@@ -388,10 +388,13 @@ class Eagle(nn.Module):
         z = self.drafter.logits(out, self.target.lm_head).float()  # [b, c, Vd]
         if self.cfg.loss == "kl":
             d, q = ForwardKL.apply(z, p)  # [b, c], [b, c, Vd]
-            return d, z.argmax(-1), torch.minimum(p * mass[..., None], q.detach()).sum(-1)
-        q = F.softmax(z, -1)
-        accept = torch.minimum(p * mass[..., None], q).sum(-1)  # [b, c]
-        d = 0.5 * (p - q).abs().sum(-1) if self.cfg.loss == "tv" else -accept.clamp_min(1e-6).log()
+        else:
+            q = F.softmax(z, -1)
+        accept = torch.minimum(p * mass[..., None], q if self.cfg.loss == "lk" else q.detach()).sum(-1)  # [b, c]
+        if self.cfg.loss == "tv":
+            d = 0.5 * (p - q).abs().sum(-1)
+        elif self.cfg.loss == "lk":
+            d = -accept.clamp_min(1e-6).log()
         return d, z.argmax(-1), accept.detach()
 
     def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor

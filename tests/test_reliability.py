@@ -17,7 +17,7 @@ import yaml
 from test_loop import Recorder, loop_cfg, tiny_method
 
 from draftsmith.data import core
-from draftsmith.models.target import REFERENCE_TARGET
+from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import guard
 from draftsmith.train import loop as L
 from draftsmith.train import medusa as medusa_script
@@ -72,8 +72,6 @@ def test_target_missing_or_truncated_is_named(tmp_path):
 def test_targets_load_without_hub_kernels():
     """transformers swaps layers for Hub kernels at load by default; on a GPU that needs the network (a load
     fails offline, as it did on the H200 check) and changes the target's numerics. draftsmith turns it off."""
-    from draftsmith.models.target import load_target
-
     assert os.environ["USE_HUB_KERNELS"] == "NO"
     assert load_target(REFERENCE_TARGET).model.use_kernels is False
 

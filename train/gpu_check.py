@@ -113,8 +113,8 @@ def build_target(out: Path, smoke: bool) -> dict:
     return {"params": params, **shape, "vocab_size": ref.vocab_size, "weights": "random (from config)"}
 
 
-def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
-    """Train one recipe in-process under the timer; its throughput record."""
+def run(name: str, work: Path, common: list[str], decode_tokens: int) -> dict:
+    """Train one recipe in-process under the timer, then decode with it; its throughput and decoding record."""
     method, recipe, precision, extra = CHECKS[name]
     precise = [o for key, o in (("bf16", "loop.mixed_precision=bf16"), ("frozen", "target.dtype=bfloat16"))
                if key in precision]
@@ -144,19 +144,18 @@ def run(name: str, work: Path, common: list[str], smoke: bool) -> dict:
         out["eval_seconds"] = evals[-1].get("eval/eval_seconds")
     del loop
     gc.collect()  # the next recipe's peak memory is its own
-    out["decode"] = {dtype: decode(work / name, dtype, smoke) for dtype in ("float32", "bfloat16")}
+    out["decode"] = {dtype: decode(work / name, dtype, decode_tokens) for dtype in ("float32", "bfloat16")}
     print(f"{name}: {json.dumps(out)}", flush=True)
     return out
 
 
-def decode(run: Path, dtype: str, smoke: bool) -> dict:
+def decode(run_dir: Path, dtype: str, tokens: int) -> dict:
     """Real speculative decoding with the run's best drafter, the target in `dtype`: tau at T=0 and T=1, speedup
     at T=0, and greedy equality with the target's own decoding; an error is recorded, not raised, so that one
     failing decode leaves the other recipes' figures."""
     try:
-        r = evaluate.main(["--drafter", str(run / "best"), "--num-prompts", "4", "--max-new-tokens",
-                           "8" if smoke else "64", "--temperatures", "0", "1", "--dtype", dtype,
-                           "--out", str(run / f"decode_{dtype}.json")])
+        r = evaluate.main(["--drafter", str(run_dir / "best"), "--num-prompts", "4", "--max-new-tokens", str(tokens),
+                           "--temperatures", "0", "1", "--dtype", dtype, "--out", str(run_dir / f"decode_{dtype}.json")])
     except Exception as e:  # the check reports what failed and goes on
         return {"error": f"{type(e).__name__}: {e}"}
     t0, t1 = r["by_temperature"]["0"], r["by_temperature"]["1"]
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or Path("runs/gpu-check-smoke/gpu.json" if args.smoke else "benchmarks/gpu.json")
     shutil.rmtree(work, ignore_errors=True)
     target = build_target(work / "target", args.smoke)
-    steps, batch, length = (6, 2, 128) if args.smoke else (args.steps, 8, 512)
+    steps, batch, length, decode_tokens = (6, 2, 128, 8) if args.smoke else (args.steps, 8, 512, 64)
     common = [f"target.path={work / 'target'}", f"loop.max_steps={steps}", f"loop.save_every={steps}",
               f"loop.batch_size={batch}", f"loop.log_every={max(1, steps // 10)}", "loop.keep_last=1",
               f"data.max_length={length}", f"data.limit={steps * batch * 2}", "eval.num_prompts=2",
@@ -193,12 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
                       "precision": "bf16 autocast; frozen targets stored in bf16",
                       "timing": "target_forward_seconds: frozen target decoder forward, synchronised; rest: drafter, "
                                 "backward, optimizer; evaluation excluded",
-                      "decode": "draftsmith evaluate on the best checkpoint: 4 held-out prompts x "
-                                f"{8 if args.smoke else 64} tokens, T=0 and T=1, target in float32 and bfloat16"},
+                      "decode": f"draftsmith evaluate on the best checkpoint: 4 held-out prompts x {decode_tokens} "
+                                "tokens, T=0 and T=1, target in float32 and bfloat16"},
               "recipes": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.recipes:
-        report["recipes"][name] = run(name, work, common, args.smoke)
+        report["recipes"][name] = run(name, work, common, decode_tokens)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(out)

@@ -15,9 +15,9 @@ max_new_tokens counts the tokens it actually committed, so plain decoding has ta
 
 A proposer whose draft already ran part of the target (LayerSkip's early exit) may offer the hook
 `proposer.target_forward(cache) -> forward | None`, called once per sequence with the target's KV
-cache: the returned forward replaces `target.base_model` in verification, takes the same keyword
-arguments and returns the same `last_hidden_state` (after the final norm; architectures in
-PLAIN_HEAD only). Such a proposer may extend the cache while drafting; `kv.keep` then rolls every
+cache: the returned forward replaces the target's forward in verification, takes the same keyword
+arguments and returns `last_hidden_state` (after the final norm; architectures in PLAIN_HEAD only),
+to which the decoder applies the head, lazily or not (on a GPU). Such a proposer may extend the cache while drafting; `kv.keep` then rolls every
 layer back to the committed prefix as usual.
 """
 
@@ -153,12 +153,11 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     stats = stats or DecodeStats()
     device, dtype = input_ids.device, target.dtype
     eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
-    lazy = lazy_head(target, device)
     ids = input_ids[0]  # [t] committed tokens
     start = _clock(device)
     cache = kv.new_cache()
     body = decoder_forward(target, device, compile)
-    head = lm_head(target, body) if lazy else None
+    head = lm_head(target, body)
     prefill = None
     if ids.numel() > 1:
         prefill = body(input_ids=ids[None, :-1], position_ids=torch.arange(ids.numel() - 1, device=device)[None],
@@ -185,7 +184,8 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
             input_ids=tokens, position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
             attention_mask=None if shape.chain else attention_masks(target.config, tree.parents, cache_len, dtype),
             cache=cache, use_cache=True, output_hidden_states=bool(layers))
-        logits = LazyLogits(target, out.last_hidden_state[0], head) if lazy else out.logits[0]  # [n+1, V] rows
+        logits = out.logits[0] if getattr(out, "logits", None) is not None else LazyLogits(  # [n+1, V] rows
+            target, out.last_hidden_state[0], head)  # the body's or the hook's hidden states
         path, bonus = verify(tree, logits, sampling, rule)
         kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
         kv.keep(cache, cache_len, kept)

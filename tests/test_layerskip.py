@@ -28,6 +28,7 @@ from transformers import (
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding import Sampling, speculative_generate
 from draftsmith.decoding import cache as kv
+from draftsmith.decoding import generate
 from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.decoding.proposers import truncated_copy
 from draftsmith.models.layerskip import (
@@ -163,6 +164,18 @@ def test_exit_query_cache_reuses_the_draft_and_rolls_back_after_rejections(arch,
     else:  # a corrupted chain recomputes [:E] from its first corrupted token (node 1) on
         assert max(early) == 2
 
+
+def test_exit_query_cache_verifies_with_the_full_head_as_on_a_gpu(monkeypatch):
+    """On a GPU the decoder runs the target's whole forward (no lazy head); the hook's hidden states still get
+    the head (the first GPU run failed here: 'BaseModelOutputWithPast' object has no attribute 'logits')."""
+    monkeypatch.setattr(generate, "lazy_head", lambda target, device: False)
+    torch.manual_seed(0)
+    model = TINY["gemma3"]()  # soft-capped logits
+    prompt = torch.randint(2, 64, (1, 5))
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        got, stats = speculative_generate(model, EarlyExit(model, 2, gamma=3), prompt, 40, eos_token_id=[])
+    assert torch.equal(got, expected) and stats.accepted > 0
 
 def test_exact_sampling_with_the_exit_query_cache_follows_the_target_distribution():
     """Chi-square over the first two sampled tokens (both the bonus and depth-2 acceptance are exercised)

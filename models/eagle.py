@@ -94,6 +94,8 @@ class EagleConfig:
     input_weight: float = 0.0  # EAGLE-3: SmoothL1 of each step's output on fc(g) of the next position (what step 0 reads)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
+    norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
+    head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
     loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
@@ -108,6 +110,9 @@ class EagleConfig:
             (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
             (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
+            (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
+            (self.head_steps >= 0 and (self.head_steps == 0 or self.feature_weight or self.input_weight), "head_steps",
+             "must be >= 0, and later steps without the draft loss need feature_weight or input_weight"),
             (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
             (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
             (self.loss in ("kl", "tv", "lk"), "loss",
@@ -297,6 +302,17 @@ def later_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t, needed.gather(1, t)
 
 
+def final_norm_scale(target: Target) -> torch.Tensor:
+    """[H] the per-dimension scale of the target's final RMSNorm (Gemma's 1 + w included): the norm applied to a
+    vector of ones, whose RMS is 1. With it and the target's head rows, EAGLE-3's norm and head start as the target's."""
+    norm = getattr(target.model.get_decoder(), "norm", None)
+    if norm is None or getattr(norm, "bias", None) is not None:
+        raise ConfigError("eagle.norm_init=target: the target has no final RMSNorm (decoder.norm) to copy; use ones")
+    H = target.config.get_text_config().hidden_size
+    with torch.no_grad():
+        return norm(torch.ones(1, H, dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device))[0]
+
+
 class Eagle(nn.Module):
     """The training method: a frozen target (online) or its cached features (offline) + an EagleDrafter."""
 
@@ -323,6 +339,8 @@ class Eagle(nn.Module):
                 head.register_buffer("weight", rows)
             else:
                 head.weight.data.copy_(rows)
+        if cfg.version == 3 and cfg.norm_init == "target":
+            self.drafter.norm.weight.data.copy_(final_norm_scale(target))
         self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
 
     # ---- features ----------------------------------------------------------------------------------
@@ -466,9 +484,12 @@ class Eagle(nn.Module):
             rows = trained if self.training else torch.ones_like(valid)  # [b, m] where the head and loss run
             bi, ti = rows.nonzero(as_tuple=True)  # [N] each
             tj = (t[bi, ti] + j).clamp(max=s - 1)  # [N] past the end: never trained
-            div, top, accept = (x[0] for x in self.chunked_divergence(out[bi, ti][None], target_p[row[bi, tj]][None],
-                                                                      mass[row[bi, tj]][None]))  # [N] each
-            step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
+            head = not (self.training and cfg.head_steps and k >= cfg.head_steps)  # the draft loss at this step
+            if head:
+                div, top, accept = (x[0] for x in self.chunked_divergence(
+                    out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None]))  # [N] each
+            step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0) \
+                if head else out.new_zeros(())
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]
                 l1 = F.smooth_l1_loss(read, take(f, t, j), reduction="none").mean(-1)  # [b, m]
@@ -477,13 +498,14 @@ class Eagle(nn.Module):
                 l1 = F.smooth_l1_loss(out[bi, ti], fused[bi, tj], reduction="none").mean(-1)  # [N]
                 step_loss = step_loss + cfg.input_weight * masked_mean(l1, trained[bi, ti])
             total = total + cfg.decay ** k * step_loss
-            ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, m]
-            counted = valid & rows  # [b, m] the positions the metrics count
             metrics[f"loss_{k}"] = step_loss.item()
-            metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()
-            metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), counted & on_path).item()
-            metrics[f"accept_{k}"] = masked_mean(accept, counted[bi, ti]).item()
-            on_path = on_path & ok & (take(ids, t, j + 1) == target_next)  # next step is fed what decoding would feed
+            if head:  # the acceptance metrics read the draft logits
+                ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, m]
+                counted = valid & rows  # [b, m] the positions the metrics count
+                metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()
+                metrics[f"cond_acc_{k}"] = masked_mean(ok.float(), counted & on_path).item()
+                metrics[f"accept_{k}"] = masked_mean(accept, counted[bi, ti]).item()
+                on_path = on_path & ok & (take(ids, t, j + 1) == target_next)  # next step fed what decoding would feed
             h = out
         return total, metrics
 

@@ -166,6 +166,12 @@ VARIANTS = {
     "y_b2": ("eagle3", ["loop.batch_size=2"]),
     "y_b2_lr3e-3": ("eagle3", ["loop.batch_size=2", "loop.lr=3.0e-3"]),
     "y_e1_b2": ("eagle1", ["loop.batch_size=2"]),
+    # stop 39: the target's final norm scale under the frozen head rows; the draft loss at the first step alone
+    "z_e3": ("eagle3", []),
+    "z_e1": ("eagle1", []),
+    "z_norm": ("eagle3", ["eagle.norm_init=target"]),
+    "z_h1": ("eagle3", ["eagle.head_steps=1"]),
+    "z_norm_h1": ("eagle3", ["eagle.norm_init=target", "eagle.head_steps=1"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

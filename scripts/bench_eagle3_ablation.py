@@ -172,6 +172,9 @@ VARIANTS = {
     "z_norm": ("eagle3", ["eagle.norm_init=target"]),
     "z_h1": ("eagle3", ["eagle.head_steps=1"]),
     "z_norm_h1": ("eagle3", ["eagle.norm_init=target", "eagle.head_steps=1"]),
+    # stop 39: the target's T=1 answers to every training prompt (6,708), not the first 2,880 only
+    "z_t1all": ("eagle3", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
+    "z_e1_t1all": ("eagle1", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -175,6 +175,9 @@ VARIANTS = {
     # stop 39: the target's T=1 answers to every training prompt (6,708), not the first 2,880 only
     "z_t1all": ("eagle3", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
     "z_e1_t1all": ("eagle1", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
+    # stop 39: is the input regression (stop 34) still needed beside the feature regression (stop 36)?
+    "z_in0": ("eagle3", ["eagle.input_weight=0.0"]),
+    "z_in03": ("eagle3", ["eagle.input_weight=0.3"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

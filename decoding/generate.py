@@ -17,8 +17,8 @@ A proposer whose draft already ran part of the target (LayerSkip's early exit) m
 `proposer.target_forward(cache) -> forward | None`, called once per sequence with the target's KV
 cache: the returned forward replaces the target's forward in verification, takes the same keyword
 arguments and returns `last_hidden_state` (after the final norm; architectures in PLAIN_HEAD only),
-to which the decoder applies the head, lazily or not (on a GPU). Such a proposer may extend the cache while drafting; `kv.keep` then rolls every
-layer back to the committed prefix as usual.
+to which the decoder applies the head (lazily on a CPU, whole on a GPU). Such a proposer may extend
+the cache while drafting; `kv.keep` then rolls every layer back to the committed prefix as usual.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ and the proposer, and differ in what goes in and comes out:
               D = forward KL (soft CE; EAGLE), total variation (1 - TV(p, q) is the T=1 acceptance
               probability, DistillSpec) or LK's negative log-acceptance -log sum min(p, q) (Samarin et al. 2026,
               arXiv 2602.23881: TV's gradient scaled by 1/acceptance); optionally
-              + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's feature regression on what the head reads (eagle.feature_weight, 0 by default for EAGLE-3);
+              + w_feat * SmoothL1(norm(h_{t+1+k}), f_{t+1+k}), EAGLE-1's feature regression on what the head
+              reads (eagle.feature_weight, 0 by default for EAGLE-3);
               optionally + w_in * SmoothL1(h_{t+1+k}, sg(g'_{t+1+k})), g' = fc(..) the fused input step 0 reads:
               each output regressed on what step 0 reads one position on, the input the next step takes it for
               (eagle.input_weight; EAGLE-1's regression carried into EAGLE-3's own input space)
@@ -72,6 +73,7 @@ from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, warp
+from draftsmith.models.layerskip import final_norm
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
 
@@ -304,10 +306,12 @@ def later_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def final_norm_scale(target: Target) -> torch.Tensor:
     """[H] the per-dimension scale of the target's final RMSNorm (Gemma's 1 + w included): the norm applied to a
-    vector of ones, whose RMS is 1. With it and the target's head rows, EAGLE-3's norm and head start as the target's."""
-    norm = getattr(target.model.get_decoder(), "norm", None)
-    if norm is None or getattr(norm, "bias", None) is not None:
-        raise ConfigError("eagle.norm_init=target: the target has no final RMSNorm (decoder.norm) to copy; use ones")
+    vector of ones, whose RMS is 1. With it and the target's head rows, EAGLE-3's norm and head start as the
+    target's own."""
+    norm = final_norm(target.model)
+    if getattr(norm, "bias", None) is not None:
+        raise ConfigError(f"eagle.norm_init=target: the target's final norm ({type(norm).__name__}) is not an RMSNorm; "
+                          "use ones")
     H = target.config.get_text_config().hidden_size
     with torch.no_grad():
         return norm(torch.ones(1, H, dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device))[0]
@@ -485,11 +489,11 @@ class Eagle(nn.Module):
             bi, ti = rows.nonzero(as_tuple=True)  # [N] each
             tj = (t[bi, ti] + j).clamp(max=s - 1)  # [N] past the end: never trained
             head = not (self.training and cfg.head_steps and k >= cfg.head_steps)  # the draft loss at this step
+            step_loss = out.new_zeros(())
             if head:
                 div, top, accept = (x[0] for x in self.chunked_divergence(
                     out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None]))  # [N] each
-            step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0) \
-                if head else out.new_zeros(())
+                step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]
                 l1 = F.smooth_l1_loss(read, take(f, t, j), reduction="none").mean(-1)  # [b, m]

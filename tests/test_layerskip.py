@@ -26,9 +26,8 @@ from transformers import (
 )
 
 from draftsmith.data.reference import load_prompts
-from draftsmith.decoding import Sampling, speculative_generate
+from draftsmith.decoding import Sampling, generate, speculative_generate
 from draftsmith.decoding import cache as kv
-from draftsmith.decoding import generate
 from draftsmith.decoding.evaluate import render_prompts
 from draftsmith.decoding.proposers import truncated_copy
 from draftsmith.models.layerskip import (

@@ -97,6 +97,7 @@ class EagleConfig:
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
+    fuse_weight: float = 0.0  # EAGLE-3: SmoothL1 of norm(fc(g)) at t on the target's final feature f at t
     head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
@@ -125,6 +126,8 @@ class EagleConfig:
             (self.feature_weight is None or self.feature_weight >= 0, "feature_weight", "must be >= 0"),
             (self.input_weight >= 0 and (self.version == 3 or not self.input_weight), "input_weight",
              "must be >= 0, and only EAGLE-3 fuses an input (EAGLE-1: feature_weight)"),
+            (self.fuse_weight >= 0 and (self.version == 3 or not self.fuse_weight), "fuse_weight",
+             "must be >= 0, and only EAGLE-3 fuses an input (EAGLE-1 reads the target's feature itself)"),
             (self.version == 3 or self.feature_weight != 0 or self.token_weight > 0, "feature_weight",
              "EAGLE-1 needs a positive feature_weight or token_weight"),
         ]:
@@ -468,9 +471,12 @@ class Eagle(nn.Module):
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
-        if cfg.input_weight:  # step 0 reads fc(g); later steps are regressed on it, one position on
+        if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g); later steps are regressed on it, one position on
             h = d.fuse(g)  # [b, s, H]
             fused = h.detach()
+        if cfg.fuse_weight:  # step 0's input through the norm, against the feature the later steps' inputs approach
+            l1 = F.smooth_l1_loss(d.norm(h), f, reduction="none").mean(-1)  # [b, s]
+            total = total + cfg.fuse_weight * masked_mean(l1, valid_at(t, 0))
         metrics: dict[str, float] = {}
         for k in range(K):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j

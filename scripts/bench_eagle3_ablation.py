@@ -62,6 +62,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
 STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
+K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  # stop 40: step 0 alone, 500 steps
+B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
 BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
 VARIANTS = {
@@ -178,6 +180,23 @@ VARIANTS = {
     # stop 39: is the input regression (stop 34) still needed beside the feature regression (stop 36)?
     "z_in0": ("eagle3", ["eagle.input_weight=0.0"]),
     "z_in03": ("eagle3", ["eagle.input_weight=0.3"]),
+    # stop 40 (from the recipe before it, B40): step 0 alone (no unrolling), 500 steps each on EAGLE-3's data: which
+    # part of EAGLE-3 trails EAGLE-1 there; then the fused input regressed through the norm on the target's feature
+    "k_e1": ("eagle1", [f"data.path={REGENERATED}", *K500]),
+    "k_e3": ("eagle3", [*B40, *K1, *K500]),
+    "k_e3_567": ("eagle3", [*B40, *K1, *K500, "eagle.aux_layers=[5,6,7]"]),
+    "k_e3_in10": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=10.0"]),
+    "k_e3_in30": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=30.0"]),
+    "k_e3_in10_567": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=10.0", "eagle.aux_layers=[5,6,7]"]),
+    "k_fuse3": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0"]),
+    "k_fuse3_567": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0", "eagle.aux_layers=[5,6,7]"]),
+    "k_fuse10_567": ("eagle3", [*K1, *K500]),  # fuse_weight 10 and layers [5, 6, 7]: the recipe since
+    # stop 40, 5 minutes each: the last three layers, and with fuse_weight unrolled to 5 (the recipe now), 2 or 1 steps
+    "a_e3": ("eagle3", B40),
+    "a_567": ("eagle3", [*B40, "eagle.aux_layers=[5,6,7]"]),
+    "f_r": ("eagle3", []),
+    "f_k2": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
+    "f_k1": ("eagle3", K1),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

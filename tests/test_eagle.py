@@ -196,6 +196,26 @@ def test_eagle3_input_weight_regresses_each_output_on_what_step_0_reads_one_posi
         EagleConfig(version=1, input_weight=1.0)
 
 
+def test_eagle3_fuse_weight_regresses_the_fused_input_through_the_norm_on_the_target_feature():
+    """eagle.fuse_weight: + w * SmoothL1(norm(fc(g_t)), f_t) at the positions whose step 0 trains (the next token
+    loss-masked): the input step 0 reads, seen through the drafter's norm, against the target's final feature at
+    the same position, which the feature regression makes the later steps' inputs (the drafter's own outputs)
+    approach. EAGLE-1 reads f itself."""
+    target = tiny_target()
+    bt = batch(b=1, s=8)
+    bt["loss_mask"][:, :3] = 0  # a prompt: positions 0 and 1 have no step-0 token to learn
+    draft_ids = torch.arange(V)
+    plain = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, fc_norm=True, input_weight=0.5)
+    fw = method(3, ttt_steps=1, draft_ids=draft_ids, target=target, fc_norm=True, input_weight=0.5, fuse_weight=2.0)
+    plain.drafter.load_state_dict(fw.drafter.state_dict())
+    f, g = fw.features(bt)
+    l1 = torch.nn.functional.smooth_l1_loss(fw.drafter.norm(fw.drafter.fuse(g)), f, reduction="none").mean(-1)[0]
+    torch.testing.assert_close(fw.ttt(bt)[0], plain.ttt(bt)[0] + 2.0 * l1[2:7].mean(), atol=1e-5, rtol=1e-5)
+    assert l1[2:7].mean() > 0
+    with pytest.raises(ConfigError, match="fuse_weight"):
+        EagleConfig(version=1, fuse_weight=1.0)
+
+
 @pytest.mark.parametrize("loss", ["tv", "lk"])
 def test_eagle3_acceptance_losses_by_hand(loss):
     """Over the positions whose next token lies in the draft vocabulary (the KL's mask), q the draft softmax, p the

@@ -86,7 +86,8 @@ class EagleConfig:
     """The drafter and its loss (EAGLE-1: version 1, ttt_steps 1, feature_noise 0.2; EAGLE-3: version 3)."""
 
     version: Literal[1, 3] = 3
-    aux_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 hidden_states indices; []: (2, L//2, L-3)
+    aux_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 hidden_states indices (< 0: from the end);
+    # []: (2, L//2, L-3)
     draft_vocab_size: int = 32000  # EAGLE-3: most frequent loss-masked training tokens (capped at the target's vocab)
     ttt_steps: int = 7  # training-time-test steps K
     decay: float = 0.8  # step k weighs decay^k
@@ -148,8 +149,12 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 def aux_layers(cfg: EagleConfig, num_layers: int) -> list[int]:
-    """The hidden_states indices EAGLE-3 fuses (the recipe's, else the default); none for EAGLE-1."""
-    return (list(cfg.aux_layers) or default_aux_layers(num_layers)) if cfg.version == 3 else []
+    """The hidden_states indices EAGLE-3 fuses (the recipe's, else the default); none for EAGLE-1. A negative index
+    counts from the end of the num_layers + 1 hidden states, as Python does: [-4, -3, -2] are the inputs to the last
+    three layers of any target."""
+    if cfg.version != 3:
+        return []
+    return [i + num_layers + 1 if i < 0 else i for i in cfg.aux_layers] or default_aux_layers(num_layers)
 
 
 def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
@@ -332,7 +337,8 @@ class Eagle(nn.Module):
         if self.layers:
             bad = [i for i in self.layers if not 0 <= i <= L]
             if bad:
-                raise ConfigError(f"eagle.aux_layers: {bad} out of range for a {L}-layer target; use 0..{L}")
+                raise ConfigError(f"eagle.aux_layers: {bad} out of range for a {L}-layer target; use 0..{L} "
+                                  f"(or -{L + 1}..-1 from the end)")
             if len(set(self.layers)) != len(self.layers):
                 raise ConfigError(f"eagle.aux_layers: {self.layers} repeats a layer; list distinct layers")
         draft_ids = torch.arange(V) if draft_ids is None or cfg.version == 1 else draft_ids

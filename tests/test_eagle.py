@@ -20,6 +20,7 @@ from draftsmith.models.eagle import (
     EagleConfig,
     EagleProposer,
     ForwardKL,
+    aux_layers,
     default_aux_layers,
     draft_vocab,
     load_eagle,
@@ -471,6 +472,11 @@ def test_default_aux_layers_follow_the_eagle_repository():
     assert default_aux_layers(32) == [2, 16, 29]
     assert default_aux_layers(8) == [2, 4, 5]
     assert default_aux_layers(6) == [1, 2, 3] and default_aux_layers(4) == [1, 2, 3]
+    last_three = EagleConfig(aux_layers=[-4, -3, -2])  # as Python indexes the L + 1 hidden states
+    assert aux_layers(last_three, 8) == [5, 6, 7] and aux_layers(last_three, 4) == [1, 2, 3]
+    assert Eagle(tiny_target(layers=4), last_three).layers == [1, 2, 3]
+    with pytest.raises(ConfigError, match="aux_layers"):
+        Eagle(tiny_target(layers=4), EagleConfig(aux_layers=[-6, 1, 2]))
     with pytest.raises(ConfigError, match="repeats"):
         Eagle(tiny_target(layers=4), EagleConfig(aux_layers=[1, 1, 2]))
     with pytest.raises(ConfigError, match="aux_layers"):

@@ -464,7 +464,8 @@ class Eagle(nn.Module):
             return (take(seq, t, j + 1, -2) == take(seq, t)) & take(batch["loss_mask"], t, j + 1).bool()
         # the teacher runs where a step learns the next token (in training; everywhere in evaluation); row[u] is
         # position u's row of its outputs
-        need = valid_at(t, 0) if self.training else torch.ones_like(keep)  # [b, s]
+        first = valid_at(t, 0)  # [b, s] the positions whose step 0 trains
+        need = first if self.training else torch.ones_like(keep)  # [b, s]
         row = need.flatten().cumsum(0).view(b, s) - 1  # [b, s]
         cached = (batch["log_z"][need][None], batch["greedy"][need][None]) if "log_z" in batch else None  # offline
         target_p, mass, top_n = (x[0] for x in self.teacher(f[need][None], cached, b))  # [n, Vd], [n], [n]
@@ -477,12 +478,12 @@ class Eagle(nn.Module):
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
         cache = kv.new_cache()
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
-        if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g); later steps are regressed on it, one position on
+        if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g), which the regressions below read too
             h = d.fuse(g)  # [b, s, H]
             fused = h.detach()
         if cfg.fuse_weight:  # step 0's input through the norm, against the feature the later steps' inputs approach
             l1 = F.smooth_l1_loss(d.norm(h), f, reduction="none").mean(-1)  # [b, s]
-            total = total + cfg.fuse_weight * masked_mean(l1, valid_at(t, 0))
+            total = total + cfg.fuse_weight * masked_mean(l1, first)  # 0 on a batch with nothing to train
         metrics: dict[str, float] = {}
         for k in range(K):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j

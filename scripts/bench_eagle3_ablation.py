@@ -190,7 +190,7 @@ VARIANTS = {
     "k_e3_in10_567": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=10.0", "eagle.aux_layers=[5,6,7]"]),
     "k_fuse3": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0"]),
     "k_fuse3_567": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0", "eagle.aux_layers=[5,6,7]"]),
-    "k_fuse10_567": ("eagle3", [*K1, *K500]),  # fuse_weight 10 and layers [5, 6, 7]: the recipe since
+    "k_fuse10_567": ("eagle3", [*K1, *K500]),  # fuse_weight 10, layers [5, 6, 7]: the recipe's since stop 40
     # stop 40, 5 minutes each: the last three layers, and with fuse_weight unrolled to 5 (the recipe now), 2 or 1 steps
     "a_e3": ("eagle3", B40),
     "a_567": ("eagle3", [*B40, "eagle.aux_layers=[5,6,7]"]),

@@ -236,15 +236,16 @@ class EagleDrafter(nn.Module):
                 cache) -> torch.Tensor:
         """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
         position_ids [b, q]; mask [b, 1, q, keys] additive -> output hidden [b, q, H]."""
-        if self.version == 1:
-            h = self.fc(torch.cat([emb, h], -1))  # [b, q, H]
-        elif h.shape[-1] != self.config.hidden_size:  # fused target features [b, q, 3H] -> [b, q, H]
-            h = self.fuse(h)
+        h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
         rope = self.rotary(h, position_ids)
         return self.midlayer(emb, h, rope, mask.to(h.dtype), cache)
 
     def fuse(self, g: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]."""
+        """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]. An input
+        H wide (the drafter's own output, or a single layer's features) passes unchanged, as the engines (vLLM,
+        SGLang) apply fc only to a wider one; training and decoding both read it through here."""
+        if g.shape[-1] == self.config.hidden_size:
+            return g
         if self.fc_norm is not None:
             g = torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
         return self.fc(g)

@@ -56,11 +56,12 @@ def batch(b: int = 2, s: int = 12, seed: int = 0) -> dict:
             "position_ids": torch.arange(s).expand(b, s)}
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_training_time_test_step_k_equals_what_the_proposer_computes(version):
+@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"aux_layers": [2], "fuse_weight": 1.0})])
+def test_training_time_test_step_k_equals_what_the_proposer_computes(version, kw):
     """Step k's output at position t is the drafter output decoding computes after feeding the target features
-    of positions 0..t and then its own outputs for k drafted tokens (here the data tokens)."""
-    m = method(version, ttt_steps=4)
+    of positions 0..t and then its own outputs for k drafted tokens (here the data tokens). A single captured layer
+    is H wide: fc applies to neither (as in the engines), also when a regression reads the fused input."""
+    m = method(version, ttt_steps=4, **kw)
     bt = batch(b=1, s=10)
     outs = []
     m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))

@@ -49,6 +49,8 @@ class DataConfig:
     """Where the training conversations come from and how they become rows."""
 
     path: str = ""  # hub name, local file (json/jsonl/parquet/arrow) or directory; empty: reference chat examples
+    extra: list[str] = dataclasses.field(default_factory=list)  # more sources as `path` takes them ("": the reference
+    # examples), each built alone (and cached) and its rows appended to path's: a mix of fixed and regenerated data
     split: str = "train"  # hub or saved DatasetDict split; reference examples: "train"/"heldout"; single files: unused
     revision: str = ""  # hub revision (a commit pins the data for the cache key)
     max_length: int = 2048  # tokens per example, and per row when packed
@@ -58,7 +60,7 @@ class DataConfig:
     num_proc: int = 1
     cache: bool = True
     cache_dir: str = ""  # empty: ~/.cache/draftsmith/datasets
-    limit: int = 0  # first examples only; 0: all
+    limit: int = 0  # first examples only (of each source); 0: all
 
     def __post_init__(self):
         if self.max_length < 2:
@@ -67,7 +69,7 @@ class DataConfig:
             raise ConfigError("data.num_proc: must be >= 1")
         if self.limit < 0:
             raise ConfigError("data.limit: must be >= 0 (0: all examples)")
-        if not self.path and self.split not in ("train", "heldout"):
+        if "" in (self.path, *self.extra) and self.split not in ("train", "heldout"):
             raise ConfigError(f"data.split: the reference examples have splits 'train' and 'heldout', not "
                               f"{self.split!r}")
 
@@ -187,7 +189,9 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
 
 
 def _data_key(cfg: DataConfig) -> dict[str, Any]:
-    """What identifies the data itself: file hashes, the hub name + revision, or the stdlib corpus."""
+    """What identifies the data itself: file hashes, the hub name + revision, or the stdlib corpus (each source's)."""
+    if cfg.extra:
+        return {"sources": [_data_key(dataclasses.replace(cfg, path=p, extra=[])) for p in [cfg.path, *cfg.extra]]}
     if not cfg.path:
         from draftsmith.data.reference import corpus_fingerprint, stdlib_files
 
@@ -303,14 +307,16 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
 
 
 def build_dataset(cfg: DataConfig, tokenizer) -> datasets.Dataset:
-    """Rows of `input_ids` and `loss_mask` (+ `position_ids` when packed), cached on disk."""
-    return prepare(cfg, tokenizer)[0]
+    """Rows of `input_ids` and `loss_mask` (+ `position_ids` when packed), cached on disk: data.path's, then each
+    data.extra source's."""
+    parts = [prepare(dataclasses.replace(cfg, path=path, extra=[]), tokenizer)[0] for path in [cfg.path, *cfg.extra]]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def heldout_rows(cfg: DataConfig, tokenizer, limit: int, path: str = "", split: str = "heldout") -> list[dict]:
     """The first `limit` held-out examples as unpacked rows with position_ids, through the same pipeline as
     `cfg` (the reference held-out split unless `path` names other data); an empty result is an error."""
-    held = dataclasses.replace(cfg, path=path, split=split, pack=False, limit=limit, overlong="truncate",
+    held = dataclasses.replace(cfg, path=path, extra=[], split=split, pack=False, limit=limit, overlong="truncate",
                                on_no_assistant="drop")
     rows = [{**r, "position_ids": list(range(len(r["input_ids"])))} for r in build_dataset(held, tokenizer)]
     if not rows:

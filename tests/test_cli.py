@@ -45,3 +45,6 @@ def test_recipe_inputs_resolve_to_the_shipped_files_from_any_directory(tmp_path,
     assert cfg.target.path == str(C.SHIPPED["models"] / "reference-target")  # recipe: models/reference-target
     assert cfg.loop.output_dir == "runs/x"  # outputs stay where the user runs
     assert C.shipped("data/not-shipped.jsonl") == "data/not-shipped.jsonl"
+    regenerated = "data/regenerated/reference-target/train.jsonl.gz"
+    cfg = C.load(cli.TRAIN["eagle3"].Recipe, None, [f"data.extra=['', {regenerated}]"])  # each of a list of paths
+    assert cfg.data.extra == ["", str(C.SHIPPED["data"] / "regenerated/reference-target/train.jsonl.gz")]

@@ -163,6 +163,28 @@ def test_reference_examples_are_the_default(tokenizer, tmp_path):
     assert all(any(m) for m in ds["loss_mask"])
 
 
+def test_extra_sources_are_built_alone_and_appended(tokenizer, tmp_path):
+    """data.extra: each source is built as data.path would be (limit per source; "" the reference examples) and its
+    rows follow path's; held-out rows read one source, and the reference split is checked wherever "" appears."""
+    paths = write_all_formats(tmp_path)
+    cfg = dict(max_length=1024, on_no_assistant="drop", limit=2, cache=False)
+    parts = [D.build_dataset(D.DataConfig(path=p, **cfg), tokenizer).to_list()
+             for p in (str(paths["jsonl"]), str(paths["parquet"]), "")]
+    mixed = C.load(D.DataConfig, None, [f"path={paths['jsonl']}", f"extra=[{paths['parquet']}, '']",
+                                        *(f"{k}={v}" for k, v in cfg.items())])
+    assert mixed.extra == [str(paths["parquet"]), ""]
+    assert D.build_dataset(mixed, tokenizer).to_list() == parts[0] + parts[1] + parts[2]
+    keys = {D.cache_key(c, tokenizer) for c in (mixed, D.DataConfig(path=mixed.path, **cfg),
+                                                 D.DataConfig(path=mixed.path, extra=[""], **cfg))}
+    assert len(keys) == 3  # what a hidden-state cache checks its data by
+    assert len(parts[2]) > 0 and parts[2] != parts[0]
+    held = D.heldout_rows(mixed, tokenizer, 8, str(paths["jsonl"]), split="train")
+    assert [r["input_ids"] for r in held] == [r["input_ids"] for r in D.build_dataset(
+        D.DataConfig(path=str(paths["jsonl"]), max_length=1024, cache=False), tokenizer)]
+    with pytest.raises(C.ConfigError, match="data.split"):
+        D.DataConfig(path=str(paths["jsonl"]), extra=[""], split="validation")
+
+
 def test_packed_dataset_rows(tokenizer, tmp_path):
     path = write_all_formats(tmp_path)["jsonl"]
     L = max(lengths(tokenizer)) + 8

@@ -229,12 +229,13 @@ def shipped(path: str) -> str:
     return str(packaged) if packaged.exists() else path
 
 
-INPUTS = ("path", "heldout_path", "prompts", "init_from", "regenerated", "checkpoint")  # keys naming files read
+INPUTS = ("path", "extra", "heldout_path", "prompts", "init_from", "regenerated", "checkpoint")  # keys naming files
 
 
 def _shipped_paths(tree: dict) -> dict:
-    return {k: _shipped_paths(v) if isinstance(v, dict) else shipped(v) if k in INPUTS and isinstance(v, str) else v
-            for k, v in tree.items()}
+    def find(v):  # a path, or a list of them
+        return shipped(v) if isinstance(v, str) else [find(x) for x in v] if isinstance(v, list) else v
+    return {k: _shipped_paths(v) if isinstance(v, dict) else find(v) if k in INPUTS else v for k, v in tree.items()}
 
 
 def load(cls, path: str | Path | None = None, overrides: list[str] = ()):

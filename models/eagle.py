@@ -34,7 +34,8 @@ grow from 1 to ttt_steps over the first `ttt_ramp` of the run (Loop.progress).
 Cost: in training the draft head and loss run only at the positions the loss trains, gathered (a prompt's
 are not), and the teacher's full-vocabulary head only where a step learns the next token; the forward KL is one fused
 function (`ForwardKL`). Step 0's layer runs at every position, as attention needs; a later step's query reads the
-step-0 keys and its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains.
+step-0 keys and its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains
+(or, with `ttt_fraction`, at a random share of those, drawn per batch).
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
@@ -102,6 +103,7 @@ class EagleConfig:
     head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
+    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn anew per batch)
     loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
     logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
     loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk
@@ -119,6 +121,7 @@ class EagleConfig:
              "must be >= 0, and later steps without the draft loss need feature_weight or input_weight"),
             (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
             (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
+            (0 < self.ttt_fraction <= 1, "ttt_fraction", "must be in (0, 1] (1: every position that trains)"),
             (self.loss in ("kl", "tv", "lk"), "loss",
              "must be kl (forward KL), tv (total variation) or lk (negative log-acceptance)"),
             (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
@@ -489,7 +492,10 @@ class Eagle(nn.Module):
         for k in range(K):
             j = 1 + k  # query t reads token x_{t+j} and is trained on the target's distribution at t+j
             if k == 1 and self.training:  # later steps run where one trains (a query reads step-0 keys and its own)
-                t, keep = later_positions(torch.stack([valid_at(t, i) for i in range(2, K + 1)]).any(0))
+                needed = torch.stack([valid_at(t, i) for i in range(2, K + 1)]).any(0)  # [b, s]
+                if cfg.ttt_fraction < 1:  # an unbiased sample of them: each later step's mean loss is unchanged
+                    needed = needed & (torch.rand(needed.shape, device=ids.device) < cfg.ttt_fraction)
+                t, keep = later_positions(needed)
                 h, on_path = take(h, t), take(on_path, t)  # [b, m, H], [b, m]
             m = t.shape[1]
             mask = additive(torch.cat([causal.gather(1, t[..., None].expand(b, m, s))]

@@ -23,6 +23,7 @@ from draftsmith.models.eagle import (
     aux_layers,
     default_aux_layers,
     draft_vocab,
+    later_positions,
     load_eagle,
 )
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
@@ -335,6 +336,34 @@ def test_fc_norm_normalises_each_captured_layer_before_fc():
         a, b = (m.drafter(emb, x, bt["position_ids"], mask, None) for x in (g, scaled))
         assert torch.allclose(a, b, atol=1e-5) == fc_norm
     assert len(m.drafter.state_dict()) + 3 == len(method(3, fc_norm=True).drafter.state_dict())
+
+
+def test_ttt_fraction_runs_the_later_steps_at_a_random_share_of_the_trained_positions(monkeypatch):
+    """ttt_fraction: steps 1.. run (and train) at a random subset of the positions that train, drawn per batch, with
+    the outputs the full run gives there; step 0 is unchanged, and evaluation runs every position."""
+    import draftsmith.models.eagle as E
+    chosen = []
+    monkeypatch.setattr(E, "later_positions", lambda needed: chosen.append(later_positions(needed)) or chosen[-1])
+    runs = []
+    for fraction in (1.0, 0.3):
+        m = method(3, ttt_steps=3, draft_ids=torch.arange(V), input_weight=1.0, ttt_fraction=fraction).train()
+        outs = []
+        m.drafter.register_forward_hook(lambda mod, args, out, outs=outs: outs.append(out))
+        torch.manual_seed(0)
+        runs.append((m.ttt(batch(b=2, s=40))[1], outs, chosen[-1]))
+    (full, full_outs, (t_all, keep_all)), (part, part_outs, (t, keep)) = runs
+    assert full["loss_0"] == pytest.approx(part["loss_0"]) and part["loss_1"] != pytest.approx(full["loss_1"])
+    assert 0.1 < keep.sum() / keep_all.sum() < 0.5
+    for r in range(2):
+        at = {int(u): i for i, u in enumerate(t_all[r][keep_all[r]])}  # position -> its index in the full run
+        for i in keep[r].nonzero().flatten().tolist():
+            for k in (1, 2):
+                torch.testing.assert_close(part_outs[k][r, i], full_outs[k][r, at[int(t[r, i])]], atol=1e-5, rtol=1e-5)
+    chosen.clear()
+    m.eval().ttt(batch(b=2, s=40))
+    assert not chosen  # evaluation: every position
+    with pytest.raises(ConfigError, match="ttt_fraction"):
+        EagleConfig(ttt_fraction=0.0)
 
 
 def test_ttt_ramp_grows_the_unrolled_steps_from_1_to_ttt_steps():

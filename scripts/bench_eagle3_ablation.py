@@ -197,6 +197,25 @@ VARIANTS = {
     "f_r": ("eagle3", []),
     "f_k2": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
     "f_k1": ("eagle3", K1),
+    # stop 41, 5 minutes each: feature noise on the fused layers (uniform, +-noise * 512 / s / 2; their RMS is 5.3
+    # here, so 1.0 is about EAGLE-1's 0.2 on its RMS-1.2 feature), unrolled as the recipe, to 2 steps, or not at all
+    "n_noise1": ("eagle3", ["eagle.feature_noise=1.0"]),
+    "n_k2_noise1": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0", "eagle.feature_noise=1.0"]),
+    "n_k1_noise1": ("eagle3", [*K1, "eagle.feature_noise=1.0"]),
+    # stop 41, 5 minutes each: the steps after step 0 at a random share of the positions that train (ttt_fraction)
+    "q_f25": ("eagle3", ["eagle.ttt_fraction=0.25"]),
+    "q_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
+    "q_f25_k5": ("eagle3", ["eagle.ttt_fraction=0.25", "eagle.ttt_ramp=0.0"]),
+    # stop 41, 5 minutes each: EAGLE-3 on EAGLE-1's data (the reference examples' fixed answers), and on those with
+    # the target's T=1 answers to every training prompt (a throwaway mix written to runs/s41)
+    "d_fixed": ("eagle3", ["data.path="]),
+    "d_fixed_t1": ("eagle3", ["data.path=runs/s41/mix_fixed_t1.jsonl.gz"]),
+    "d_fixed_t1_g720": ("eagle3", ["data.path=runs/s41/mix_fixed_t1_g720.jsonl.gz"]),  # + the first 720 greedy
+    "d_fixed_t1_g1440": ("eagle3", ["data.path=runs/s41/mix_fixed_t1_g1440.jsonl.gz"]),  # answers, or 1,440
+    # stop 41: the recipe now (data.path '' + data.extra: the g720 mix, each source built alone), and with
+    # ttt_fraction 0.5
+    "r41": ("eagle3", []),
+    "r41_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -216,6 +216,7 @@ VARIANTS = {
     # ttt_fraction 0.5
     "r41": ("eagle3", []),
     "r41_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
+    "e1_lb40": ("eagle1", []),  # stop 40's 5-minute leaderboard EAGLE-1 (runs/s41/e1_lb40 -> runs/lb40/eagle1), scored
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -103,7 +103,8 @@ class EagleConfig:
     head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
-    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn anew per batch)
+    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn anew per batch from
+    # each process's RNG, so 2 processes and 1 with grad_accum 2 draw different shares: the same loss only in expectation)
     loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
     logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
     loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk

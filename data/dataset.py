@@ -188,10 +188,15 @@ def load_raw(cfg: DataConfig) -> datasets.Dataset:
     return ds
 
 
+def sources(cfg: DataConfig) -> list[DataConfig]:
+    """data.path and each data.extra source as a config of its own (no extra)."""
+    return [dataclasses.replace(cfg, path=path, extra=[]) for path in [cfg.path, *cfg.extra]]
+
+
 def _data_key(cfg: DataConfig) -> dict[str, Any]:
     """What identifies the data itself: file hashes, the hub name + revision, or the stdlib corpus (each source's)."""
     if cfg.extra:
-        return {"sources": [_data_key(dataclasses.replace(cfg, path=p, extra=[])) for p in [cfg.path, *cfg.extra]]}
+        return {"sources": [_data_key(one) for one in sources(cfg)]}
     if not cfg.path:
         from draftsmith.data.reference import corpus_fingerprint, stdlib_files
 
@@ -281,7 +286,8 @@ def _describe(example: dict[str, Any]) -> str:
 
 
 def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
-    """`build_dataset` plus the counts of what was read, truncated and dropped."""
+    """One source's rows (data.path's; `build_dataset` appends data.extra's) and the counts of what was read,
+    truncated and dropped."""
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE
     final = root / cache_key(cfg, tokenizer) if cfg.cache else None
     if final is not None and (final / "stats.json").is_file():
@@ -309,7 +315,7 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
 def build_dataset(cfg: DataConfig, tokenizer) -> datasets.Dataset:
     """Rows of `input_ids` and `loss_mask` (+ `position_ids` when packed), cached on disk: data.path's, then each
     data.extra source's."""
-    parts = [prepare(dataclasses.replace(cfg, path=path, extra=[]), tokenizer)[0] for path in [cfg.path, *cfg.extra]]
+    parts = [prepare(one, tokenizer)[0] for one in sources(cfg)]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

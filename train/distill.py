@@ -51,17 +51,15 @@ class Recipe(C.DrafterRecipe):
 
 
 def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
-    """The offline training rows: the fixed data, the regenerated data, or both concatenated."""
-    parts = []
-    if cfg.distill.sequences in ("fixed", "mixed"):
-        parts.append(build_dataset(cfg.data, tokenizer))
-    if cfg.distill.sequences in ("regenerated", "mixed"):
-        if not Path(cfg.distill.regenerated).is_file():
-            raise C.ConfigError(f"distill.regenerated: {cfg.distill.regenerated} not found; write it with "
-                                "scripts/regenerate.py --target <target> --out <file>.jsonl")
-        parts.append(build_dataset(dataclasses.replace(cfg.data, path=cfg.distill.regenerated, split="train"),
-                                   tokenizer))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    """The offline training rows: the fixed data, the regenerated data in its place, or after it (a data.extra
+    source)."""
+    regenerated = cfg.distill.regenerated
+    if cfg.distill.sequences != "fixed" and not Path(regenerated).is_file():
+        raise C.ConfigError(f"distill.regenerated: {regenerated} not found; write it with "
+                            "scripts/regenerate.py --target <target> --out <file>.jsonl")
+    data = {"fixed": cfg.data, "regenerated": dataclasses.replace(cfg.data, path=regenerated),
+            "mixed": dataclasses.replace(cfg.data, extra=[*cfg.data.extra, regenerated])}[cfg.distill.sequences]
+    return build_dataset(data, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> Loop:

@@ -35,7 +35,7 @@ Cost: in training the draft head and loss run only at the positions the loss tra
 are not), and the teacher's full-vocabulary head only where a step learns the next token; the forward KL is one fused
 function (`ForwardKL`). Step 0's layer runs at every position, as attention needs; a later step's query reads the
 step-0 keys and its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains
-(or, with `ttt_fraction`, at a random share of those, drawn per batch).
+(or, with `ttt_fraction`, at a random share of those, drawn per row and batch).
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
@@ -51,6 +51,7 @@ Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -103,8 +104,8 @@ class EagleConfig:
     head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
-    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn anew per batch from
-    # each process's RNG, so 2 processes and 1 with grad_accum 2 draw different shares: the same loss only in expectation)
+    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn per row from its tokens
+    # and the run's progress, `row_uniform`: 2 processes train exactly as 1 with grad_accum 2)
     loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
     logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
     loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk
@@ -317,6 +318,17 @@ def later_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t, needed.gather(1, t)
 
 
+def row_uniform(ids: torch.Tensor, real: torch.Tensor | None, salt: str) -> torch.Tensor:
+    """ids [b, s], real [b, s] (its non-padding positions; None: all) -> u [b, s] uniform in [0, 1), each row's from a
+    generator seeded by its real tokens and `salt` alone: a row draws the same in whichever process, micro-batch or
+    padding it lands."""
+    u = torch.ones(ids.shape)  # [b, s] padding: never drawn
+    for r, row in enumerate(ids.cpu() if real is None else [x[m.bool()] for x, m in zip(ids.cpu(), real.cpu(), strict=True)]):
+        seed = hashlib.blake2b(row.numpy().tobytes() + salt.encode(), digest_size=8).digest()
+        u[r, :len(row)] = torch.rand(len(row), generator=torch.Generator().manual_seed(int.from_bytes(seed, "little")))
+    return u.to(ids.device)
+
+
 def final_norm_scale(target: Target) -> torch.Tensor:
     """[H] the per-dimension scale of the target's final RMSNorm (Gemma's 1 + w included): the norm applied to a
     vector of ones, whose RMS is 1. With it and the target's head rows, EAGLE-3's norm and head start as the
@@ -495,7 +507,8 @@ class Eagle(nn.Module):
             if k == 1 and self.training:  # later steps run where one trains (a query reads step-0 keys and its own)
                 needed = torch.stack([valid_at(t, i) for i in range(2, K + 1)]).any(0)  # [b, s]
                 if cfg.ttt_fraction < 1:  # an unbiased sample of them: each later step's mean loss is unchanged
-                    needed = needed & (torch.rand(needed.shape, device=ids.device) < cfg.ttt_fraction)
+                    u = row_uniform(ids, batch.get("attention_mask"), f"{self.progress():.12f}")  # [b, s]
+                    needed = needed & (u < cfg.ttt_fraction)
                 t, keep = later_positions(needed)
                 h, on_path = take(h, t), take(on_path, t)  # [b, m, H], [b, m]
             m = t.shape[1]

@@ -339,8 +339,10 @@ def test_fc_norm_normalises_each_captured_layer_before_fc():
 
 
 def test_ttt_fraction_runs_the_later_steps_at_a_random_share_of_the_trained_positions(monkeypatch):
-    """ttt_fraction: steps 1.. run (and train) at a random subset of the positions that train, drawn per batch, with
-    the outputs the full run gives there; step 0 is unchanged, and evaluation runs every position."""
+    """ttt_fraction: steps 1.. run (and train) at a random subset of the positions that train, with the outputs the
+    full run gives there; step 0 is unchanged, and evaluation runs every position. Each row's subset follows from its
+    tokens and the run's progress alone: the same in another batch order or padding (so 2 processes train as 1 with
+    grad_accum 2), another at the next step."""
     import draftsmith.models.eagle as E
     chosen = []
     monkeypatch.setattr(E, "later_positions", lambda needed: chosen.append(later_positions(needed)) or chosen[-1])
@@ -349,7 +351,6 @@ def test_ttt_fraction_runs_the_later_steps_at_a_random_share_of_the_trained_posi
         m = method(3, ttt_steps=3, draft_ids=torch.arange(V), input_weight=1.0, ttt_fraction=fraction).train()
         outs = []
         m.drafter.register_forward_hook(lambda mod, args, out, outs=outs: outs.append(out))
-        torch.manual_seed(0)
         runs.append((m.ttt(batch(b=2, s=40))[1], outs, chosen[-1]))
     (full, full_outs, (t_all, keep_all)), (part, part_outs, (t, keep)) = runs
     assert full["loss_0"] == pytest.approx(part["loss_0"]) and part["loss_1"] != pytest.approx(full["loss_1"])
@@ -359,6 +360,18 @@ def test_ttt_fraction_runs_the_later_steps_at_a_random_share_of_the_trained_posi
         for i in keep[r].nonzero().flatten().tolist():
             for k in (1, 2):
                 torch.testing.assert_close(part_outs[k][r, i], full_outs[k][r, at[int(t[r, i])]], atol=1e-5, rtol=1e-5)
+
+    def subsets(bt: dict) -> list[set[int]]:
+        m.ttt(bt)
+        return [set(tr[kr].tolist()) for tr, kr in zip(*chosen[-1], strict=True)]
+    bt = batch(b=2, s=40)
+    longer = batch(b=1, s=48, seed=1)  # a longer row first, the two padded after it
+    padded = {k: torch.cat([longer[k], torch.nn.functional.pad(bt[k], (0, 8))]) for k in bt}
+    padded["attention_mask"] = (torch.arange(48) < torch.tensor([[48], [40], [40]])).long()
+    first = subsets(bt)
+    assert subsets({k: v.flip(0) for k, v in bt.items()}) == first[::-1] and subsets(padded)[1:] == first
+    m.progress = lambda: 0.5
+    assert subsets(bt) != first
     chosen.clear()
     m.eval().ttt(batch(b=2, s=40))
     assert not chosen  # evaluation: every position

@@ -66,6 +66,7 @@ K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  
 B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
 BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
+F50_BF16 = ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]
 VARIANTS = {
     "eagle1": ("eagle1", []),
     "e3_random": ("eagle3", ["eagle.head_init=random"]),
@@ -217,6 +218,18 @@ VARIANTS = {
     "r41": ("eagle3", []),
     "r41_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
     "e1_lb40": ("eagle1", []),  # stop 40's 5-minute leaderboard EAGLE-1 (runs/s41/e1_lb40 -> runs/lb40/eagle1), scored
+    # stop 42: ttt_fraction drawn per row (row_uniform), bf16 autocast (a CPU with avx512_bf16: matmuls ~3x faster),
+    # a higher learning rate
+    "r42_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
+    "r42_f50_bf16": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]),
+    "r42_f50_lr3": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.lr=3e-3"]),
+    "r42_bf16": ("eagle3", ["loop.mixed_precision=bf16"]),
+    "e1_bf16": ("eagle1", ["loop.mixed_precision=bf16"]),
+    "b_bs2": ("eagle3", [*F50_BF16, "loop.batch_size=2"]),  # on r42_f50_bf16: half the batch, twice the steps
+    "b_f25": ("eagle3", ["eagle.ttt_fraction=0.25", "loop.mixed_precision=bf16"]),
+    "b_k2": ("eagle3", [*F50_BF16, "eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
+    "b_d5": ("eagle3", [*F50_BF16, "eagle.decay=0.5"]),  # the later steps' weight, decay^k
+    "b_d10": ("eagle3", [*F50_BF16, "eagle.decay=1.0"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

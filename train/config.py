@@ -128,6 +128,9 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
+YAML_BOOLS = {False: ("no", "off", "false", "n"), True: ("yes", "on", "true", "y")}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML or command-line value to the annotated type, or raise ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -147,6 +150,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads no/off/yes/on as booleans: back to the choice spelt so
+            value = next((a for a in args if isinstance(a, str) and a.lower() in YAML_BOOLS[value]), value)
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

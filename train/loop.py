@@ -58,6 +58,7 @@ import numpy as np
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from safetensors.torch import load_file, save_file
 from torch import distributed as dist
@@ -251,6 +252,8 @@ class Loop:
                              "or set loop.tracker=none")
         if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
+        if AcceleratorState._shared_state.get("_mixed_precision", cfg.mixed_precision) != cfg.mixed_precision:
+            AcceleratorState._reset_state()  # an earlier Loop in this process (a notebook, the tests) chose another
         # the ranks that wait while rank 0 evaluates must not time out: allow long evaluations
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=tracker,
                                        project_dir=str(self.run_dir), gradient_accumulation_steps=cfg.grad_accum,

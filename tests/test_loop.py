@@ -227,3 +227,12 @@ def test_the_loop_hands_its_progress_to_a_method_that_declares_one(tmp_path):
     assert method.progress() == 0.0
     loop.run()
     assert method.progress() == 1.0
+
+
+def test_loops_in_one_process_may_choose_other_precisions(tmp_path):
+    """accelerate keeps one state per process and refuses another mixed precision once set; a Loop after one under
+    bf16 autocast (a notebook, a sweep in one process) trains in fp32 as asked, then bf16 again."""
+    for i, precision in enumerate(("bf16", "no", "bf16")):
+        loop = Loop(loop_cfg(tmp_path / str(i), max_steps=2, mixed_precision=precision), tiny_method(), Recorder())
+        assert loop.accelerator.mixed_precision == precision
+        loop.run()

@@ -65,8 +65,8 @@ STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGL
 K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  # stop 40: step 0 alone, 500 steps
 B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
 BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
+F50_BF16 = ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]  # the EAGLE-3 recipe of stop 42
 # one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
-F50_BF16 = ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]
 VARIANTS = {
     "eagle1": ("eagle1", []),
     "e3_random": ("eagle3", ["eagle.head_init=random"]),
@@ -221,7 +221,7 @@ VARIANTS = {
     # stop 42: ttt_fraction drawn per row (row_uniform), bf16 autocast (a CPU with avx512_bf16: matmuls ~3x faster),
     # a higher learning rate
     "r42_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
-    "r42_f50_bf16": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]),
+    "r42_f50_bf16": ("eagle3", F50_BF16),
     "r42_f50_lr3": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.lr=3e-3"]),
     "r42_bf16": ("eagle3", ["loop.mixed_precision=bf16"]),
     "e1_bf16": ("eagle1", ["loop.mixed_precision=bf16"]),

@@ -18,7 +18,7 @@ def test_overrides_are_typed():
                                       "loop.betas=[0.8, 0.9]", "loop.schedule=linear"])
     assert cfg.loop.lr == 3e-4 and cfg.loop.max_steps == 12 and cfg.model.num_layers == 2
     assert cfg.loop.betas == (0.8, 0.9) and cfg.loop.schedule == "linear"
-    # YAML reads `no` as False: a choice spelt so still parses, on the command line and in a file
+    # YAML reads `no` as False: a choice spelt so still parses (overrides and recipe files both go through YAML)
     assert C.load(TargetRecipe, None, ["loop.mixed_precision=no"]).loop.mixed_precision == "no"
     assert C.load(TargetRecipe, None, ["loop.mixed_precision=bf16"]).loop.mixed_precision == "bf16"
     with pytest.raises(C.ConfigError, match="loop.mixed_precision: True is not one of"):

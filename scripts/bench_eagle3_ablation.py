@@ -223,7 +223,6 @@ VARIANTS = {
     "r42_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
     "r42_f50_bf16": ("eagle3", F50_BF16),
     "r42_f50_lr3": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.lr=3e-3"]),
-    "r42_bf16": ("eagle3", ["loop.mixed_precision=bf16"]),
     "e1_bf16": ("eagle1", ["loop.mixed_precision=bf16"]),
     "b_bs2": ("eagle3", [*F50_BF16, "loop.batch_size=2"]),  # on r42_f50_bf16: half the batch, twice the steps
     "b_f25": ("eagle3", ["eagle.ttt_fraction=0.25", "loop.mixed_precision=bf16"]),

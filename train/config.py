@@ -128,7 +128,7 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-YAML_BOOLS = {False: ("no", "off", "false", "n"), True: ("yes", "on", "true", "y")}
+YAML_BOOLS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}  # PyYAML reads these as booleans
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

@@ -35,7 +35,8 @@ Cost: in training the draft head and loss run only at the positions the loss tra
 are not), and the teacher's full-vocabulary head only where a step learns the next token; the forward KL is one fused
 function (`ForwardKL`). Step 0's layer runs at every position, as attention needs; a later step's query reads the
 step-0 keys and its own position's later steps alone, so steps 1..K-1 run only at the positions one of them trains
-(or, with `ttt_fraction`, at a random share of those, drawn per row and batch).
+(or, with `ttt_fraction`, at a random share of those, drawn per row and batch), and score the later steps' keys as
+one dot product each (`ttt_attention`: eager attention, which on CPU in bf16 is also faster than SDPA's kernel).
 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
@@ -67,6 +68,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
 )
 
 from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
@@ -201,10 +204,42 @@ class MidLayer(nn.Module):
         self.version = version
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
-        """emb, h [b, q, H] (EAGLE-1: h is already fc([emb; f])) -> [b, q, H]."""
+        """emb, h [b, q, H] (EAGLE-1: h is already fc([emb; f])) -> [b, q, H]. Decoding: cache the decoder's KV cache,
+        mask [b, 1, q, keys] additive; training-time test: cache the list of the earlier steps' keys and values,
+        mask [b, q, s] bool over step 0's keys (`ttt_attention`)."""
         x = h if self.version == 1 else torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)  # [b, q, 2H]
-        h = h + self.self_attn(x, position_embeddings=rope, attention_mask=mask, cache=cache)[0]
+        if isinstance(cache, list):
+            a = ttt_attention(self.self_attn, x, rope, mask, cache)
+        else:
+            a = self.self_attn(x, position_embeddings=rope, attention_mask=mask.to(h.dtype), cache=cache)[0]
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: torch.Tensor,
+                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The drafter's attention in training-time test at step k = len(past), what decoding's cache and mask compute:
+    queries x [b, m, 2H or H] read step 0's keys where visible [b, m, s], and the key of each step 1..k at their own
+    position; that is one dot product per step, not the [m, m] block of which a mask would keep the diagonal.
+    Appends this step's (keys, values) [b, kv_heads, m, d] to past -> attention output [b, m, H]."""
+    b, m, _ = x.shape
+    q, key, value = (proj(x).view(b, m, -1, attn.head_dim).transpose(1, 2)
+                     for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # [b, heads or kv_heads, m, d]
+    q, key = apply_rotary_pos_emb(q, key, *rope)
+    past.append((key, value))
+    (k0, v0), *later = ((repeat_kv(k_, attn.num_key_value_groups), repeat_kv(v_, attn.num_key_value_groups))
+                        for k_, v_ in past)  # [b, heads, s or m, d]
+    q = q * attn.scaling
+    scores = (q @ k0.transpose(2, 3)).masked_fill(~visible[:, None], torch.finfo(q.dtype).min)  # [b, heads, m, s]
+    s = scores.shape[-1]
+    if later:
+        k_later, v_later = (torch.stack(x, 3) for x in zip(*later, strict=True))  # [b, heads, m, k, d] each
+        scores = torch.cat([scores, (q[..., None, :] * k_later).sum(-1)], -1)  # [b, heads, m, s + k]
+    w = F.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+    out = w[..., :s] @ v0  # [b, heads, m, d]
+    if later:
+        out = out + (w[..., s:, None] * v_later).sum(3)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, m, -1))
 
 
 class EagleDrafter(nn.Module):
@@ -240,10 +275,10 @@ class EagleDrafter(nn.Module):
     def forward(self, emb: torch.Tensor, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 cache) -> torch.Tensor:
         """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
-        position_ids [b, q]; mask [b, 1, q, keys] additive -> output hidden [b, q, H]."""
+        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]."""
         h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
         rope = self.rotary(h, position_ids)
-        return self.midlayer(emb, h, rope, mask.to(h.dtype), cache)
+        return self.midlayer(emb, h, rope, mask, cache)
 
     def fuse(self, g: torch.Tensor) -> torch.Tensor:
         """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]. An input
@@ -372,6 +407,7 @@ class Eagle(nn.Module):
         if cfg.version == 3 and cfg.norm_init == "target":
             self.drafter.norm.weight.data.copy_(final_norm_scale(target))
         self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
+        self.measuring = True  # the acceptance metrics in training; the loop sets it on the steps it logs alone
 
     # ---- features ----------------------------------------------------------------------------------
 
@@ -410,26 +446,27 @@ class Eagle(nn.Module):
         target's probability on the draft vocabulary, greedy [b, s] its argmax over the whole vocabulary);
         full-vocabulary logits [b, batch x logit_chunk, V] exist for one chunk at a time (f [1, n, H] gathered from a
         batch of `batch` rows: the peak of that batch's chunk). With `cached` (EAGLE-3 from a hidden-state cache:
-        log_z, greedy [b, s], the whole vocabulary's log-normaliser and argmax) the head runs over the draft
-        vocabulary's rows only."""
-        v3 = self.cfg.version == 3
-        rows = self.drafter.draft_ids if v3 and cached is not None else None
+        log_z, greedy [b, s], the whole vocabulary's log-normaliser and argmax) the head runs over a pruned draft
+        vocabulary's rows only. A draft vocabulary that is the whole vocabulary (EAGLE-1's) has mass 1."""
+        pruned = self.cfg.version == 3 and self.drafter.d2t.numel() < self.drafter.t2d.numel()
+        rows = self.drafter.draft_ids if pruned and cached is not None else None
         ps, masses, greedy = [], [], []
         for x, *known in self.chunks(f, *(cached if rows is not None else ()), n=batch * self.cfg.logit_chunk):
             logits = self.target.logits(x.to(self.target.lm_head.weight.dtype), rows).float()  # [b, c, V or Vd]
             if rows is None:
-                known = [logits.logsumexp(-1), logits.argmax(-1)]  # [b, c] each
-                logits = logits[..., self.drafter.draft_ids] if v3 else logits  # [b, c, Vd]
+                known = [logits.logsumexp(-1) if pruned else None, logits.argmax(-1)]  # [b, c] each
+                logits = logits[..., self.drafter.draft_ids] if pruned else logits  # [b, c, Vd]
             log_z, top = known
             greedy.append(top.long())
-            masses.append((logits.logsumexp(-1) - log_z).exp().clamp(max=1.0) if v3 else torch.ones_like(log_z))
+            masses.append((logits.logsumexp(-1) - log_z).exp().clamp(max=1.0) if pruned
+                          else torch.ones_like(top, dtype=logits.dtype))
             ps.append(F.softmax(logits, -1))
         return torch.cat(ps, 1), torch.cat(masses, 1), torch.cat(greedy, 1)
 
-    def divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor, measure: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """out [b, c, H], p [b, c, Vd], mass [b, c] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids,
-        accept [b, c]), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
+        accept [b, c]; both None unless `measure`), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
         = 1 - sum min(p, q); lk: -log accept. accept = sum_v min(mass p_v, q_v): the probability that exact
         verification at temperature 1 accepts a token drawn from q, against the target's whole-vocabulary
         distribution."""
@@ -438,22 +475,23 @@ class Eagle(nn.Module):
             d, q = ForwardKL.apply(z, p)  # [b, c], [b, c, Vd]
         else:
             q = F.softmax(z, -1)
-        accept = torch.minimum(p * mass[..., None], q if self.cfg.loss == "lk" else q.detach()).sum(-1)  # [b, c]
+        if measure or self.cfg.loss == "lk":
+            accept = torch.minimum(p * mass[..., None], q if self.cfg.loss == "lk" else q.detach()).sum(-1)  # [b, c]
         if self.cfg.loss == "tv":
             d = 0.5 * (p - q).abs().sum(-1)
         elif self.cfg.loss == "lk":
             d = -accept.clamp_min(1e-6).log()
-        return d, z.argmax(-1), accept.detach()
+        return (d, z.argmax(-1), accept.detach()) if measure else (d, None, None)
 
-    def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def chunked_divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor, measure: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """`divergence` over chunks of eagle.loss_chunk positions, each recomputed in the backward (activation
         checkpointing), so that draft logits [b, chunk, Vd] exist for one chunk at a time; with 0, at once and kept."""
         n = self.cfg.loss_chunk
         recompute = n and torch.is_grad_enabled()
-        parts = [checkpoint(self.divergence, o, q, m, use_reentrant=False) if recompute else self.divergence(o, q, m)
-                 for o, q, m in self.chunks(out, p, mass, n=n)]
-        return tuple(torch.cat(x, 1) for x in zip(*parts, strict=True))
+        parts = [checkpoint(self.divergence, o, q, m, measure, use_reentrant=False) if recompute
+                 else self.divergence(o, q, m, measure) for o, q, m in self.chunks(out, p, mass, n=n)]
+        return tuple(None if x[0] is None else torch.cat(x, 1) for x in zip(*parts, strict=True))
 
     def ttt(self, batch: dict, steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """The training-time test unrolled `steps` times (default: `ttt_length()` in training, eagle.ttt_steps in
@@ -462,7 +500,8 @@ class Eagle(nn.Module):
         same, among positions whose steps 0..k-1 were all accepted and fed the target's greedy tokens; and
         accept_k, the expected acceptance at temperature 1 of step k along the row (`divergence`). In training the
         head and the loss run at the trained positions alone (about half of a chat batch's), and the metrics count
-        those; in evaluation, every position."""
+        those; in evaluation, every position. Training steps that are not `measuring` return loss_k alone (the
+        acceptance metrics cost a tenth of a 5-step EAGLE-3 step on CPU)."""
         cfg, d = self.cfg, self.drafter
         ids = batch["input_ids"]  # [b, s]
         b, s = ids.shape
@@ -473,6 +512,7 @@ class Eagle(nn.Module):
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
         K = steps or (self.ttt_length() if self.training else cfg.ttt_steps)
+        measure = self.measuring or not self.training
         t = torch.arange(s, device=ids.device).expand(b, s)  # [b, m] the positions this step's queries run at
         keep = torch.ones_like(ids, dtype=torch.bool)  # [b, m] those of them that train
 
@@ -493,7 +533,7 @@ class Eagle(nn.Module):
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        cache = kv.new_cache()
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's keys and values (`ttt_attention`)
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g), which the regressions below read too
             h = d.fuse(g)  # [b, s, H]
@@ -512,10 +552,8 @@ class Eagle(nn.Module):
                 t, keep = later_positions(needed)
                 h, on_path = take(h, t), take(on_path, t)  # [b, m, H], [b, m]
             m = t.shape[1]
-            mask = additive(torch.cat([causal.gather(1, t[..., None].expand(b, m, s))]
-                                      + [torch.eye(m, dtype=torch.bool, device=ids.device).expand(b, m, m)] * k,
-                                      -1)[:, None])  # [b, 1, m, s + k m]
-            out = d(*self.step_input(k, take(emb, t, j), h), take(pos, t) + k, mask, cache)  # [b, m, H]
+            visible = causal.gather(1, t[..., None].expand(b, m, s))  # [b, m, s] step 0's keys each query reads
+            out = d(*self.step_input(k, take(emb, t, j), h), take(pos, t) + k, visible, past)  # [b, m, H]
             valid = valid_at(t, j) & keep  # [b, m]
             target_next = take(greedy, t, j)  # [b, m]
             trained = valid & d.t2d[target_next]  # a target argmax outside the draft vocabulary is not trained
@@ -525,8 +563,8 @@ class Eagle(nn.Module):
             head = not (self.training and cfg.head_steps and k >= cfg.head_steps)  # the draft loss at this step
             step_loss = out.new_zeros(())
             if head:
-                div, top, accept = (x[0] for x in self.chunked_divergence(
-                    out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None]))  # [N] each
+                div, top, accept = (x if x is None else x[0] for x in self.chunked_divergence(
+                    out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None], measure))  # [N] each
                 step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]
@@ -537,7 +575,7 @@ class Eagle(nn.Module):
                 step_loss = step_loss + cfg.input_weight * masked_mean(l1, trained[bi, ti])
             total = total + cfg.decay ** k * step_loss
             metrics[f"loss_{k}"] = step_loss.item()
-            if head:  # the acceptance metrics read the draft logits
+            if head and measure:  # the acceptance metrics read the draft logits
                 ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, m]
                 counted = valid & rows  # [b, m] the positions the metrics count
                 metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()

@@ -1,5 +1,7 @@
 """Seconds per EAGLE training step (forward, backward, optimizer step) of the shipped tiny-code recipes, at 1, 3 and 5
-unrolled training-time-test steps, optionally against models/eagle.py as it was at another git revision.
+unrolled training-time-test steps, under each recipe's loop.mixed_precision (bf16: CPU autocast, as the loop runs it) and
+without the acceptance metrics (as the loop runs the steps it does not log), optionally against models/eagle.py as it
+was at another git revision.
 
     python scripts/bench_train_step.py [--baseline REV] [--repeats 6] [--out benchmarks/train_step.json]
 
@@ -64,6 +66,8 @@ def main() -> None:
         models = {name: m.Eagle(target, m.EagleConfig(**{k: v for k, v in vars(cfg.eagle).items()  # the fields it has
                                                          if k in m.EagleConfig.__dataclass_fields__}), ids).train()
                   for name, m in versions.items()}
+        for m in models.values():
+            m.measuring = False  # as the loop runs the steps it does not log (all but 1 in loop.log_every)
         opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]) for name, m in models.items()}
         batches = [collate([rows[i] for i in range(4 * r, 4 * r + 4)]) for r in range(args.repeats)]
         steps = (1, 3, 5) if cfg.eagle.version == 3 else (1,)
@@ -72,7 +76,8 @@ def main() -> None:
             for k in steps:
                 for name, m in models.items():
                     start = time.perf_counter()
-                    loss, _ = m.ttt(batch, k)
+                    with torch.autocast("cpu", torch.bfloat16, enabled=cfg.loop.mixed_precision == "bf16"):
+                        loss, _ = m.ttt(batch, k)
                     loss.backward()
                     opts[name].step()
                     opts[name].zero_grad()

@@ -11,6 +11,7 @@ import torch
 from conftest import chi2_two_tokens, randomise, script, train_steps
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.tree import DraftTree
@@ -20,11 +21,13 @@ from draftsmith.models.eagle import (
     EagleConfig,
     EagleProposer,
     ForwardKL,
+    additive,
     aux_layers,
     default_aux_layers,
     draft_vocab,
     later_positions,
     load_eagle,
+    ttt_attention,
 )
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
@@ -433,6 +436,45 @@ def test_training_runs_the_head_at_the_trained_positions_alone_with_the_same_los
     assert ga.keys() == gb.keys()
     for n in ga:  # float32 sums in another order: as in the chunked-logits test
         assert float((ga[n] - gb[n]).abs().max()) <= 2e-3 * max(1.0, float(ga[n].abs().max())), n
+
+
+def test_ttt_attention_is_the_cached_attention_with_an_identity_block_per_later_step():
+    """Step k's queries at positions t read step 0's keys causally and their own position's key of each step 1..k:
+    ttt_attention scores those as one dot product per step, to the output of the layer's attention over a cache of
+    every step's keys under the mask of identity blocks (GQA here: 4 heads on 2 KV heads)."""
+    m = method(3)
+    d, attn = m.drafter, m.drafter.midlayer.self_attn
+    b, s, n = 2, 9, 4
+    g = torch.Generator().manual_seed(0)
+    seq = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])  # [b, s] row 0 packs two sequences
+    causal = (seq[:, :, None] == seq[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()  # [b, s, s]
+    t = torch.stack([torch.randperm(s, generator=g)[:n].sort().values for _ in range(b)])  # [b, n] later steps' queries
+    past, cache = [], kv.new_cache()
+    for k in range(3):
+        q_at = torch.arange(s).expand(b, s) if k == 0 else t  # [b, m]
+        x = torch.randn(b, q_at.shape[1], attn.q_proj.in_features, generator=g)  # [b, m, 2H]
+        rope = d.rotary(x, q_at + k)
+        visible = causal.gather(1, q_at[..., None].expand(-1, -1, s))  # [b, m, s]
+        mask = torch.cat([visible] + [torch.eye(n, dtype=torch.bool).expand(b, n, n)] * k, -1)  # [b, m, s + k n]
+        want = attn(x, position_embeddings=rope, attention_mask=additive(mask)[:, None], cache=cache)[0]
+        torch.testing.assert_close(ttt_attention(attn, x, rope, visible, past), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["kl", "lk"])
+def test_steps_that_are_not_measuring_skip_the_acceptance_metrics_with_the_same_loss(loss):
+    """The loop logs the metrics of some steps alone; a training step that is not `measuring` returns loss_k alone,
+    with the same loss and gradients (lk's loss reads the acceptance it then does not report)."""
+    bt = batch(b=2, s=13)
+    results = []
+    for measuring in (True, False):
+        m = method(3, ttt_steps=3, draft_ids=torch.arange(0, V, 3), loss=loss).train()
+        m.measuring = measuring
+        value, metrics = m.ttt(bt, 3)
+        value.backward()
+        results.append((value, metrics, [p.grad for p in m.drafter.parameters() if p.requires_grad]))
+    (a, ma, ga), (b, mb, gb) = results
+    assert {"acc_2", "cond_acc_2", "accept_2"} <= ma.keys() and sorted(mb) == ["loss_0", "loss_1", "loss_2"]
+    assert a.item() > 0 and torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
 
 
 def test_forward_kl_has_log_softmax_value_and_gradient():

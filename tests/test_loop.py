@@ -229,6 +229,21 @@ def test_the_loop_hands_its_progress_to_a_method_that_declares_one(tmp_path):
     assert method.progress() == 1.0
 
 
+def test_the_loop_tells_a_method_that_declares_measuring_which_steps_it_logs(tmp_path):
+    class Measured(CausalLM):
+        def forward(self, batch):
+            self.seen.append(self.measuring)
+            return super().forward(batch)
+
+    method = Measured(tiny_method().model)
+    method.measuring, method.seen = True, []
+    loop = Loop(loop_cfg(tmp_path, max_steps=7, log_every=3, grad_accum=1), method, Recorder())
+    loop.run()
+    assert method.seen == [False, False, True, False, False, True, True]  # steps 3, 6 and the last are logged
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [3, 6, 7]
+
+
 def test_loops_in_one_process_may_choose_other_precisions(tmp_path):
     """accelerate keeps one state per process and refuses another mixed precision once set; a Loop after one under
     bf16 autocast (a notebook, a sweep in one process) trains in fp32 as asked, then bf16 again."""

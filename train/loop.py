@@ -4,7 +4,8 @@ A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its
 parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
 rates), `save_pretrained(dir)` (the artefact evaluation and export read), `extra_state()` /
 `load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it), `progress` (a
-callable the loop replaces with its `Loop.progress`, for schedules inside the method) and
+callable the loop replaces with its `Loop.progress`, for schedules inside the method), `measuring` (which the
+loop sets True on the steps whose metrics it logs and False on the others, where costly metrics may be skipped) and
 `sharded_refusal` (why it cannot run on ZeRO-3's or FSDP2's sharded parameters, and the fix; empty if it can).
 The loop owns everything else: accelerate, gradient accumulation, mixed precision, clipping,
 schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
@@ -571,6 +572,9 @@ class Loop:
         self.method.train()
         while self.state.step < cfg.max_steps:
             t_step = time.perf_counter()
+            logged = (self.state.step + 1) % cfg.log_every == 0 or self.state.step + 1 == cfg.max_steps
+            if hasattr(self.unwrapped, "measuring"):
+                self.unwrapped.measuring = logged
             metrics_step: dict[str, float] = {}
             losses = []
             for _ in range(cfg.grad_accum):
@@ -602,7 +606,7 @@ class Loop:
             window.setdefault("loss", []).append(loss.item())
             for k, v in metrics_step.items():
                 window.setdefault(k, []).append(v)
-            if self.state.step % cfg.log_every == 0 or self.state.step == cfg.max_steps:
+            if logged:
                 dt = time.perf_counter() - t0
                 means = torch.tensor([sum(v) / len(v) for v in window.values()], dtype=torch.float64)
                 row = dict(zip(window, acc.reduce(means.to(acc.device), "mean").tolist(), strict=True))  # all ranks

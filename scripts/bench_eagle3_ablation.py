@@ -229,6 +229,13 @@ VARIANTS = {
     "b_k2": ("eagle3", [*F50_BF16, "eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
     "b_d5": ("eagle3", [*F50_BF16, "eagle.decay=0.5"]),  # the later steps' weight, decay^k
     "b_d10": ("eagle3", [*F50_BF16, "eagle.decay=1.0"]),
+    # stop 44, 5 minutes each on the faster step (ttt_attention, metrics on logged steps alone): EAGLE-3's gradient
+    # norm is ~2 all run long (EAGLE-1's 0.1-0.3), so loop.grad_clip 0.5 rescales every step; a wider MLP
+    "c_e3": ("eagle3", []),
+    "c_e1": ("eagle1", []),
+    "c_clip0": ("eagle3", ["loop.grad_clip=0"]),
+    "c_clip2": ("eagle3", ["loop.grad_clip=2.0"]),
+    "c_mlp2x": ("eagle3", ["eagle.intermediate_size=1408"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

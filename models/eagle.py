@@ -41,7 +41,8 @@ one dot product each (`ttt_attention`: eager attention, which on CPU in bf16 is 
 Memory: the target's full-vocabulary logits exist only for `logit_chunk` positions at a time (kept:
 their argmax and the draft-vocabulary softmax), and the draft head and loss run per chunk of `loss_chunk`
 positions (default: the same) under activation checkpointing, so peak memory grows with the draft vocabulary,
-not the target's; `loss_chunk` 0 keeps a small draft vocabulary's logits instead of recomputing them.
+not the target's; `loss_chunk` 0 keeps a small draft vocabulary's logits instead of recomputing them. Attention
+scores [b, heads, m, s] exist per unrolled step (eager attention; no fused kernel takes the later steps' keys).
 
 The token embedding is the target's own module, frozen with the target (a copy would be identical).
 
@@ -466,8 +467,8 @@ class Eagle(nn.Module):
     def divergence(self, out: torch.Tensor, p: torch.Tensor, mass: torch.Tensor, measure: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """out [b, c, H], p [b, c, Vd], mass [b, c] -> (D(p, q) [b, c], the draft's top-1 [b, c] in draft ids,
-        accept [b, c]; both None unless `measure`), q the drafter's softmax. kl: -sum p log q (forward KL up to p's entropy); tv: 1/2 sum |p - q|
-        = 1 - sum min(p, q); lk: -log accept. accept = sum_v min(mass p_v, q_v): the probability that exact
+        accept [b, c]; both None unless `measure`), q the drafter's softmax. kl: -sum p log q (forward KL up to p's
+        entropy); tv: 1/2 sum |p - q| = 1 - sum min(p, q); lk: -log accept. accept = sum_v min(mass p_v, q_v): the probability that exact
         verification at temperature 1 accepts a token drawn from q, against the target's whole-vocabulary
         distribution."""
         z = self.drafter.logits(out, self.target.lm_head).float()  # [b, c, Vd]

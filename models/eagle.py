@@ -222,14 +222,13 @@ def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: t
     """The drafter's attention in training-time test at step k = len(past), what decoding's cache and mask compute:
     queries x [b, m, 2H or H] read step 0's keys where visible [b, m, s], and the key of each step 1..k at their own
     position; that is one dot product per step, not the [m, m] block of which a mask would keep the diagonal.
-    Appends this step's (keys, values) [b, kv_heads, m, d] to past -> attention output [b, m, H]."""
+    Appends this step's (keys, values), repeated to every head [b, heads, m, d], to past -> attention output [b, m, H]."""
     b, m, _ = x.shape
     q, key, value = (proj(x).view(b, m, -1, attn.head_dim).transpose(1, 2)
                      for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # [b, heads or kv_heads, m, d]
     q, key = apply_rotary_pos_emb(q, key, *rope)
-    past.append((key, value))
-    (k0, v0), *later = ((repeat_kv(k_, attn.num_key_value_groups), repeat_kv(v_, attn.num_key_value_groups))
-                        for k_, v_ in past)  # [b, heads, s or m, d]
+    past.append((repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)))
+    (k0, v0), *later = past  # [b, heads, s or m, d] each
     q = q * attn.scaling
     scores = (q @ k0.transpose(2, 3)).masked_fill(~visible[:, None], torch.finfo(q.dtype).min)  # [b, heads, m, s]
     s = scores.shape[-1]

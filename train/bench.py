@@ -204,10 +204,12 @@ def tokens_seen(config: dict | None, state: dict) -> int | None:
 # ---- output --------------------------------------------------------------------------------------------
 
 def _rounded(x, digits: int = 4):
+    """Floats to `digits` decimals; seconds (keys ending in _s) to microseconds, so that figures derived from short
+    timings (c, from drafter_s and target_s) read the same from the JSON as when measured."""
     if isinstance(x, float):
         return round(x, digits)
     if isinstance(x, dict):
-        return {k: _rounded(v, digits) for k, v in x.items()}
+        return {k: _rounded(v, 6 if k.endswith("_s") else digits) for k, v in x.items()}
     if isinstance(x, list):
         return [_rounded(v, digits) for v in x]
     return x

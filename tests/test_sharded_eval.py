@@ -5,6 +5,7 @@ prompts' decodes take different numbers of steps."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -55,8 +56,14 @@ def _worker(rank: int, port: int, lockstep: bool, queue) -> None:
     with torch.no_grad(), sharded(Shard(rank, 2, lockstep)):
         result = figures(target)
     queue.put((rank, result))
+    del target  # FSDP2's mesh holds the group: freed here, not in the interpreter's teardown
     dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
+    # gloo's C++ threads can still abort the interpreter's own teardown ("terminate called without an active
+    # exception", once in a CI run): the result is flushed to the parent and the worker ends without it
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("lockstep", [False, True], ids=["ddp", "fsdp2-lockstep"])

@@ -102,6 +102,7 @@ class EagleConfig:
     token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
     input_weight: float = 0.0  # EAGLE-3: SmoothL1 of each step's output on fc(g) of the next position (what step 0 reads)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
+    num_key_value_heads: int = 0  # the layer's key/value heads (divides the target's heads); 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
     fuse_weight: float = 0.0  # EAGLE-3: SmoothL1 of norm(fc(g)) at t on the target's final feature f at t
@@ -121,6 +122,7 @@ class EagleConfig:
             (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
             (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
             (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
+            (self.num_key_value_heads >= 0, "num_key_value_heads", "must be >= 0 (0: the target's)"),
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
             (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
             (self.head_steps >= 0 and (self.head_steps == 0 or self.feature_weight or self.input_weight), "head_steps",
@@ -172,10 +174,14 @@ def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> Llam
     H = text.hidden_size
     rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    kv_heads = getattr(cfg, "num_key_value_heads", 0) or getattr(text, "num_key_value_heads", None) \
+        or text.num_attention_heads
+    if text.num_attention_heads % kv_heads:
+        raise ConfigError(f"eagle.num_key_value_heads={kv_heads} does not divide the target's "
+                          f"{text.num_attention_heads} attention heads; use a divisor of it (0: the target's)")
     config = LlamaConfig(
         hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
-        num_hidden_layers=1, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        num_hidden_layers=1, num_attention_heads=text.num_attention_heads, num_key_value_heads=kv_heads,
         head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
@@ -645,6 +651,7 @@ def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
     target = target or load_target(meta["target"])
     cfg = EagleConfig(version=meta["version"], aux_layers=meta["aux_layers"], ttt_steps=meta["ttt_steps"],
                       draft_vocab_size=drafter.d2t.numel(), intermediate_size=drafter.config.intermediate_size,
+                      num_key_value_heads=drafter.config.num_key_value_heads,
                       fc_norm=getattr(drafter.config, "fc_norm", False))
     method = Eagle(target, cfg, drafter.draft_ids)
     method.drafter.load_state_dict(drafter.state_dict())

@@ -61,6 +61,7 @@ from draftsmith.train.eagle import heldout_metrics
 REPO = Path(__file__).resolve().parent.parent
 
 REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
+T1ALL = "data/regenerated/reference-target/train_t1_all.jsonl.gz"  # sampled answers to every training prompt, {T1ALL}
 STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
 K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  # stop 40: step 0 alone, 500 steps
 B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
@@ -236,6 +237,14 @@ VARIANTS = {
     "c_clip0": ("eagle3", ["loop.grad_clip=0"]),
     "c_clip2": ("eagle3", ["loop.grad_clip=2.0"]),
     "c_mlp2x": ("eagle3", ["eagle.intermediate_size=1408"]),
+    # stop 45: the layer's key/value heads (the target's 2 of 8 carry the drafted token to the residual stream
+    # through 64 value dimensions)
+    "d_e3": ("eagle3", []),
+    "d_kv4": ("eagle3", ["eagle.num_key_value_heads=4"]),
+    "d_kv8": ("eagle3", ["eagle.num_key_value_heads=8"]),
+    "d_mlp2x_kv4": ("eagle3", ["eagle.intermediate_size=1408", "eagle.num_key_value_heads=4"]),
+    # the target's T=1 answers twice in the mix (64% of the packed rows against 47%)
+    "d_t1x2": ("eagle3", ["data.extra=[data/regenerated/reference-target/train_t1_g720.jsonl.gz,{T1ALL}]"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
@@ -244,10 +253,10 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def t1_rows(out: Path) -> Path:
-    """The EAGLE-3 recipe's regenerated answers sampled at temperature 1 alone (ids ending -T1), written to `out`."""
+def t1_rows(out: Path, source: str = REGENERATED) -> Path:
+    """The regenerated answers of `source` sampled at temperature 1 alone (ids ending -T1), written to `out`."""
     if not out.is_file():
-        rows = [line for line in gzip.open(REPO / REGENERATED, "rt") if json.loads(line)["id"].endswith("-T1")]
+        rows = [line for line in gzip.open(REPO / source, "rt") if json.loads(line)["id"].endswith("-T1")]
         out.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(out, "wt") as f:
             f.writelines(rows)
@@ -258,6 +267,8 @@ def train_variant(name: str, run: Path, budget: float, target: str, threads: int
     key, overrides = VARIANTS[name]
     if any("{T1}" in o for o in overrides):
         overrides = [o.replace("{T1}", str(t1_rows(run.parent / "regenerated_t1.jsonl.gz"))) for o in overrides]
+    if any("{T1ALL}" in o for o in overrides):
+        overrides = [o.replace("{T1ALL}", str(t1_rows(run.parent / "t1_all.jsonl.gz", T1ALL))) for o in overrides]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):

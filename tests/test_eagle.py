@@ -668,13 +668,15 @@ def test_sampled_output_has_the_targets_distribution(mode):
     assert chi2 < critical
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version):
-    m = method(version, draft_ids=torch.arange(10, 60) if version == 3 else None)
+@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"num_key_value_heads": 4})],
+                         ids=["eagle1", "eagle3", "eagle3-kv4"])
+def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version, kw):
+    m = method(version, draft_ids=torch.arange(10, 60) if version == 3 else None, **kw)
     m.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / "drafter.json").read_text())
     assert meta["method"] == "eagle" and meta["version"] == version
     back = load_eagle(tmp_path, m.target)
+    assert back.drafter.config.num_key_value_heads == kw.get("num_key_value_heads", 2)  # 2: the target's
     for k, v in m.drafter.state_dict().items():
         assert torch.equal(v, back.drafter.state_dict()[k]), k
     proposer = decoder_load_proposer(str(tmp_path), m.target.model, gamma=3)
@@ -682,6 +684,11 @@ def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version):
     prompt = torch.randint(0, V, (1, 5))
     spec, _ = speculative_generate(m.target.model, proposer, prompt, 10, eos_token_id=[])
     assert torch.equal(spec, plain_generate(m.target.model, prompt, 10, eos_token_id=[])[0])
+
+
+def test_key_value_heads_that_do_not_divide_the_targets_heads_are_refused():
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=3 does not divide the target's 4 attention heads"):
+        method(3, num_key_value_heads=3)
 
 
 # ---- the recipes ------------------------------------------------------------------------------------------

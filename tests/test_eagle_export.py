@@ -40,11 +40,12 @@ def target(tmp_path_factory) -> Target:
     return Target(model.eval().requires_grad_(False), None, str(path))
 
 
-def drafter_dir(target: Target, out: Path, version: int = 3, aux_layers=(4, 1, 3), fc_norm: bool = False) -> Path:
-    """A random, non-trivial drafter checkpoint (norm weights away from 1, a non-zero EAGLE-1 fc bias)."""
+def drafter_dir(target: Target, out: Path, version: int = 3, aux_layers=(4, 1, 3), **kw) -> Path:
+    """A random, non-trivial drafter checkpoint (norm weights away from 1, a non-zero EAGLE-1 fc bias); kw: more
+    EagleConfig fields."""
     torch.manual_seed(1)
     m = Eagle(target, EagleConfig(version=version, ttt_steps=3, aux_layers=list(aux_layers) if version == 3 else [],
-                                  fc_norm=fc_norm), DRAFT_IDS if version == 3 else None)
+                                  **kw), DRAFT_IDS if version == 3 else None)
     for p in m.drafter.parameters():
         torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
     m.save_pretrained(out)
@@ -142,6 +143,22 @@ def test_fc_norm_is_exported_as_the_engines_read_it_and_permuted_with_fc(fmt, ta
                                draft_logits(original, target, ids, features(hs, meta["aux_layers"])))
     without = R.load("eagle", fmt, R.export(drafter_dir(target, tmp_path / "plain"), fmt, tmp_path / f"{fmt}-plain"))[0]
     assert without.fc_norm is None
+
+
+@pytest.mark.parametrize("fmt", EAGLE3)
+def test_a_layer_with_its_own_key_value_heads_exports_them_in_the_layer_config(fmt, target, tmp_path):
+    """eagle.num_key_value_heads=4 on a target with 2 of 4: the engines build the layer from the exported Llama
+    fields (speculators: transformer_layer_config), so k_proj / v_proj [4 * head_dim, 2H] load as trained."""
+    src = drafter_dir(target, tmp_path / "drafter", num_key_value_heads=4)
+    original, meta = load_drafter(src)
+    out = R.export(src, fmt, tmp_path / fmt)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.get("transformer_layer_config", cfg)["num_key_value_heads"] == 4
+    loaded, back = R.load("eagle", fmt, out)
+    assert loaded.midlayer.self_attn.k_proj.weight.shape == (4 * original.config.head_dim, 2 * H)
+    ids, hs = hidden_states(target)
+    torch.testing.assert_close(draft_logits(loaded, target, ids, features(hs, back["aux_layers"])),
+                               draft_logits(original, target, ids, features(hs, meta["aux_layers"])))
 
 
 # ---- the layer ids as each engine reads them ------------------------------------------------------------------

@@ -61,7 +61,10 @@ from draftsmith.train.eagle import heldout_metrics
 REPO = Path(__file__).resolve().parent.parent
 
 REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
-T1ALL = "data/regenerated/reference-target/train_t1_all.jsonl.gz"  # sampled answers to every training prompt, {T1ALL}
+# placeholders in VARIANTS' overrides -> (file written beside the runs, its source): the T=1 answers alone of the
+# recipe's first regenerated data, and of the sampled answers to every training prompt
+T1_FILES = {"{T1}": ("regenerated_t1.jsonl.gz", REGENERATED),
+            "{T1ALL}": ("t1_all.jsonl.gz", "data/regenerated/reference-target/train_t1_all.jsonl.gz")}
 STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
 K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  # stop 40: step 0 alone, 500 steps
 B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
@@ -253,7 +256,7 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def t1_rows(out: Path, source: str = REGENERATED) -> Path:
+def t1_rows(out: Path, source: str) -> Path:
     """The regenerated answers of `source` sampled at temperature 1 alone (ids ending -T1), written to `out`."""
     if not out.is_file():
         rows = [line for line in gzip.open(REPO / source, "rt") if json.loads(line)["id"].endswith("-T1")]
@@ -265,10 +268,9 @@ def t1_rows(out: Path, source: str = REGENERATED) -> Path:
 
 def train_variant(name: str, run: Path, budget: float, target: str, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
-    if any("{T1}" in o for o in overrides):
-        overrides = [o.replace("{T1}", str(t1_rows(run.parent / "regenerated_t1.jsonl.gz"))) for o in overrides]
-    if any("{T1ALL}" in o for o in overrides):
-        overrides = [o.replace("{T1ALL}", str(t1_rows(run.parent / "t1_all.jsonl.gz", T1ALL))) for o in overrides]
+    for mark, (file, source) in T1_FILES.items():
+        if any(mark in o for o in overrides):
+            overrides = [o.replace(mark, str(t1_rows(run.parent / file, source))) for o in overrides]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):

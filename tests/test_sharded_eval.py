@@ -56,11 +56,11 @@ def _worker(rank: int, port: int, lockstep: bool, queue) -> None:
     with torch.no_grad(), sharded(Shard(rank, 2, lockstep)):
         result = figures(target)
     queue.put((rank, result))
-    del target  # FSDP2's mesh holds the group: freed here, not in the interpreter's teardown
     dist.barrier()  # neither rank tears the group down while the other still talks to it
     dist.destroy_process_group()
-    # gloo's C++ threads can still abort the interpreter's own teardown ("terminate called without an active
-    # exception", once in a CI run): the result is flushed to the parent and the worker ends without it
+    # FSDP2's mesh keeps the group, and gloo's C++ threads, alive past destroy_process_group: they aborted the
+    # interpreter's own teardown once in CI ("terminate called without an active exception"), so the worker flushes
+    # its result to the parent and ends without that teardown
     queue.close()
     queue.join_thread()
     os._exit(0)

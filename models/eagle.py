@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -77,14 +79,14 @@ from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_m
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
-from draftsmith.decoding.tree import DraftTree
+from draftsmith.decoding.tree import DraftTree, layout
 from draftsmith.decoding.verify import Sampling, warp
 from draftsmith.models.layerskip import final_norm
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
 
 WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
-ALPHA_PRIOR, ALPHA_PRIOR_N = 0.7, 4  # sampled trees: first draws' acceptance before any verification, its weight
+ALPHA_PRIOR, ALPHA_PRIOR_N = 0.7, 4  # sampled trees: each draw's acceptance before any verification, its weight
 
 
 @dataclasses.dataclass
@@ -665,15 +667,17 @@ class EagleProposer(Proposer):
     target's features of the tokens committed since the last draft (entry p holds feature f_p with token
     x_{p+1}, at rope position p), so drafting always restarts from the target's own hidden states. Then:
     - chain: gamma tokens, each fed back with the drafter's output hidden state;
-    - tree (EAGLE-2 dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
-      by their `top_k` children, scored by the cumulative log of a score per node; the best `total_tokens`
-      nodes over all depths form the tree (ancestors score at least as high as descendants, so it is
-      closed). Greedy nodes are the top_k draft tokens, scored by their draft probability q. Sampled nodes
-      are draws without replacement, and a draw's chance to be accepted is not its q: the first draw is
-      accepted as often as the drafter's acceptance rate alpha (estimated from the verifications so far), a
-      later draw only after the first's rejection, in proportion to its share of the rest of q. Sampled
-      nodes score by those chances (each <= 1, so the tree stays closed), and the first draws' chain (a
-      sampled chain's own tokens) is kept before the siblings that widen it.
+    - tree, greedy (EAGLE-2's dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
+      by their `top_k` children, scored by the cumulative log draft probability q; the best `total_tokens` nodes
+      over all depths form the tree (ancestors score at least as high as descendants, so it is closed).
+    - tree, sampling: a shape fixed before anything is drawn, then filled level by level with draws without
+      replacement (each node records the q it was drawn from, for the exact verifier). The j-th draw at a node is
+      the child the verifier accepts with chance prod_{i<j} (1 - a_i) a_j, a_j the rate at which a j-th draw was
+      accepted once tested, learnt from the verifications so far; a node is reached with the product of the
+      chances along its path, and the `total_tokens` likeliest nodes within `depth` levels, closed under
+      ancestors and earlier draws, form the shape. The shape must not depend on the drawn tokens: a draw kept
+      or dropped for its own q (as EAGLE-2's scores would) skews which tokens the verifier lets out
+      (tests/test_eagle.py, `test_a_sampled_tree_keeps_the_targets_distribution_where_a_q_scored_one_did_not`).
     """
 
     def __init__(self, drafter: EagleDrafter, embed: nn.Module, target_head: nn.Module, layers,
@@ -684,7 +688,8 @@ class EagleProposer(Proposer):
         self.drafter, self.embed, self.head = drafter, embed, target_head
         self.hidden_layers = tuple(layers) or (-1,)
         self.mode, self.gamma, self.top_k, self.depth, self.total_tokens = mode, gamma, top_k, depth, total_tokens
-        self.first_draws = [ALPHA_PRIOR * ALPHA_PRIOR_N, ALPHA_PRIOR_N]  # sampled trees: first draws accepted, tried
+        self.draws = [[ALPHA_PRIOR * ALPHA_PRIOR_N, ALPHA_PRIOR_N] for _ in range(top_k)]  # sampled trees: per draw
+        # index j at a node, [accepted, tested]
         self.reset()
 
     def reset(self) -> None:
@@ -705,12 +710,13 @@ class EagleProposer(Proposer):
         if verified.hidden is None:
             return
         tree = verified.tree
-        if tree is not None and tree.q is not None and self.mode == "tree":  # alpha: was each first draw accepted
-            parents = tree.parents.tolist()
+        if tree is not None and tree.q is not None and self.mode == "tree":  # a_j: each tested draw, accepted or not
             for node, taken in zip([-1, *verified.path], [*verified.path, None], strict=True):
-                if node in parents:  # it has children, the first drawn is its lowest-index child
-                    self.first_draws[0] += taken == parents.index(node)
-                    self.first_draws[1] += 1
+                for j, child in enumerate(tree.children(node)):  # tested in draw order until one is accepted
+                    self.draws[j][1] += 1
+                    if child == taken:
+                        self.draws[j][0] += 1
+                        break
         k, m, H = verified.hidden.shape
         feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, k*H]
         self.pending.append((ids[ids.numel() - m:], feats))
@@ -768,94 +774,111 @@ class EagleProposer(Proposer):
                 h = self._step(torch.tensor([x], device=ids.device), h[None], pos, visible)[0]
         return DraftTree.chain(torch.tensor(tokens, device=ids.device), self._over_target(qs) if qs else None)
 
-    def _children(self, h: torch.Tensor, sampling: Sampling) -> list[list[tuple[int, float, torch.Tensor | None]]]:
-        """Up to top_k children per row of outputs h [F, H]: (target token, log q, q drawn from).
-
-        Greedy: the top_k draft tokens, deterministic (q None), scored by log q. Sampling: top_k draws without
-        replacement from the warped draft distribution, each recording the renormalised q [Vd] it was drawn from
-        (`_over_target` spreads the kept nodes' q), so that the exact multi-round verifier (which tests
-        siblings in this order) stays exact; scored by the log of its chance to be accepted: alpha for the first
-        draw, (1 - alpha) q(x) / (1 - q(x_first)) for a later one (the class docstring).
-        """
-        draft_ids = self.drafter.draft_ids  # [Vd]
-        logits = self._draft_logits(h)  # [F, Vd]
-        if sampling.greedy:
-            top = F.log_softmax(logits, -1).topk(min(self.top_k, logits.shape[-1]), -1)
-            return [[(int(draft_ids[i]), lp, None) for lp, i in zip(v.tolist(), x.tolist(), strict=True)]
-                    for v, x in zip(top.values, top.indices, strict=True)]
-        out, alpha = [], self.first_draws[0] / self.first_draws[1]
-        for q in warp(logits, sampling):  # [Vd] per row
-            k = min(self.top_k, int((q > 0).sum()))
-            # k sequential draws without replacement, each from q renormalised over what is left (multinomial
-            # without replacement draws exactly so, in this order); draw j's q has draws 0..j-1 zeroed.
-            picks = torch.multinomial(q, k, replacement=False, generator=sampling.generator)  # [k]
-            drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
-            left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
-            q_nodes = left / left.sum(-1, keepdim=True)  # [k, Vd]
-            chance = torch.cat([q.new_tensor([alpha]), (1 - alpha) * q[picks[1:]] / (1 - q[picks[0]])])  # [k]
-            out.append([(int(draft_ids[j]), lc, qn)
-                        for j, lc, qn in zip(picks.tolist(), chance.log().tolist(), q_nodes, strict=True)])
-        return out
+    def _feed(self, nodes: list[int], level: int, tokens: list[int], parents: list[int], slot: dict[int, int],
+              out_of: dict[int, torch.Tensor]) -> None:
+        """Feeds tree nodes at depth `level` to the drafter in one forward, each after the committed entries and
+        its ancestors' cache entries; records each node's cache entry (`slot`) and output [H] (`out_of`)."""
+        dev, start = self.last.device, self.n + len(slot)
+        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=dev)
+        visible[:, : self.n] = True
+        for r, i in enumerate(nodes):
+            slot[i] = start + r
+            a = parents[i]
+            while a >= 0:
+                visible[r, slot[a]] = True
+                a = parents[a]
+            visible[r, slot[i]] = True
+        h_in = torch.stack([out_of[parents[i]] if parents[i] >= 0 else self.last for i in nodes])  # [F, H]
+        pos = torch.full((len(nodes),), self.n + level - 1, device=dev)
+        outs = self._step(torch.tensor([tokens[i] for i in nodes], device=dev), h_in, pos, visible)  # [F, H]
+        for r, i in enumerate(nodes):
+            out_of[i] = outs[r]
 
     def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        """EAGLE-2: expand the top_k best frontier nodes per round; keep the best total_tokens nodes, closed
-        under ancestors and earlier-drawn siblings (what the exact verifier needs), ordered by depth."""
-        dev, K = ids.device, self.top_k
-        tokens, parents, scores, depth, qs = [], [], [], [], []  # per node
+        """EAGLE-2 (greedy): expand the top_k best frontier nodes per round; keep the best total_tokens nodes,
+        closed under ancestors, ordered by depth. Sampling: `_sampled_tree`."""
+        if not sampling.greedy:
+            return self._sampled_tree(ids, sampling)
+        draft_ids, K = self.drafter.draft_ids, self.top_k  # [Vd]
+        tokens, parents, scores, depth = [], [], [], []  # per node
         out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
         slot: dict[int, int] = {}  # node -> its entry in the drafter cache
 
         def expand(h: torch.Tensor, froms: list[int]) -> list[int]:
-            """Children of `froms` (outputs h [F, H]) -> indices of the new candidate nodes."""
+            """The top_k children of `froms` (outputs h [F, H]) by log q -> indices of the new candidate nodes."""
+            top = F.log_softmax(self._draft_logits(h), -1).topk(min(K, draft_ids.numel()), -1)  # [F, k] each
             new = []
-            for parent, children in zip(froms, self._children(h, sampling), strict=True):
-                for x, lq, q in children:
+            for parent, values, picks in zip(froms, top.values.tolist(), top.indices.tolist(), strict=True):
+                for lq, x in zip(values, picks, strict=True):
                     new.append(len(tokens))
-                    tokens.append(x)
+                    tokens.append(int(draft_ids[x]))
                     parents.append(parent)
                     scores.append(lq + (scores[parent] if parent >= 0 else 0.0))
                     depth.append(1 + (depth[parent] if parent >= 0 else 0))
-                    qs.append(q)
             return new
 
         frontier = expand(self.last[None], [-1])
         for level in range(1, self.depth):
             frontier = sorted(frontier, key=lambda i: -scores[i])[:K]
-            start = self.n + len(slot)
-            visible = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool, device=dev)
-            visible[:, : self.n] = True
-            for r, i in enumerate(frontier):
-                slot[i] = start + r
-                a = parents[i]
-                while a >= 0:
-                    visible[r, slot[a]] = True
-                    a = parents[a]
-                visible[r, slot[i]] = True
-            h_in = torch.stack([out_of[parents[i]] if parents[i] >= 0 else self.last for i in frontier])  # [F, H]
-            pos = torch.full((len(frontier),), self.n + level - 1, device=dev)
-            outs = self._step(torch.tensor([tokens[i] for i in frontier], device=dev), h_in, pos, visible)
-            for r, i in enumerate(frontier):
-                out_of[i] = outs[r]
-            frontier = expand(outs, frontier)
-        kids: dict[int, list[int]] = {}  # parent -> children in draw order
-        for i, a in enumerate(parents):
-            kids.setdefault(a, []).append(i)
-        keep: set[int] = set()
-        for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i])):
-            if len(keep) == self.total_tokens:
-                break
-            need, a = set(), i
-            while a >= 0:  # the node, its ancestors, and every sibling drawn before each of them
-                siblings = kids[parents[a]]
-                need.update(siblings[: siblings.index(a) + 1])
-                a = parents[a]
-            if len(keep | need) <= self.total_tokens:
-                keep |= need
-        keep = sorted(keep, key=lambda i: (depth[i], i))
+            self._feed(frontier, level, tokens, parents, slot, out_of)
+            frontier = expand(torch.stack([out_of[i] for i in frontier]), frontier)
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))[: self.total_tokens],
+                      key=lambda i: (depth[i], i))
         index = {old: new for new, old in enumerate(keep)}
-        return DraftTree(torch.tensor([tokens[i] for i in keep], device=dev),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=dev),
-                         None if sampling.greedy else self._over_target([qs[i] for i in keep]))
+        return DraftTree(torch.tensor([tokens[i] for i in keep], device=ids.device),
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=ids.device))
+
+    def shape(self) -> list[int]:
+        """The sampled tree's shape from the learnt draw chances alone (the class docstring): parents per node,
+        -1 for the root's, parents before children, by depth, a node's children in draw order."""
+        chance, left = [], 1.0  # chance[j]: the j-th draw is the accepted child; non-increasing in j
+        for accepted, tested in self.draws:
+            a = accepted / tested
+            chance.append(min(left * a, chance[-1] if chance else 1.0))
+            left *= 1 - a
+        log_c = [math.log(c) for c in chance]  # each a_j lies strictly within (0, 1) (ALPHA_PRIOR)
+        # best first: a popped node (parent, j) offers its next sibling and its first child, neither likelier than
+        # it, so the pops are the likeliest nodes, closed under ancestors and earlier draws
+        heap, nodes = [(-log_c[0], 1, 0, -1, 0)], []  # (-log reach, depth, tie-break, parent, j); nodes: (parent, depth)
+        while heap and len(nodes) < self.total_tokens:
+            score, d, _, parent, j = heapq.heappop(heap)
+            nodes.append((parent, d))
+            if j + 1 < len(log_c):
+                heapq.heappush(heap, (score - log_c[j + 1] + log_c[j], d, len(nodes), parent, j + 1))
+            if d < self.depth:
+                heapq.heappush(heap, (score - log_c[0], d + 1, len(nodes), len(nodes) - 1, 0))
+        order = sorted(range(len(nodes)), key=lambda i: (nodes[i][1], i))  # by depth, draw order kept
+        index = {old: new for new, old in enumerate(order)}
+        return [index[nodes[i][0]] if nodes[i][0] >= 0 else -1 for i in order]
+
+    def _sampled_tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
+        """`shape()` filled level by level: each parent's children are its first draws without replacement from
+        its warped q (fewer where q has fewer tokens: the missing draws' subtrees are dropped)."""
+        draft_ids, parents = self.drafter.draft_ids, self.shape()  # [Vd]
+        n, levels = len(parents), layout(parents).depth[1:].tolist()
+        tokens, qs, alive = [0] * n, [None] * n, [False] * n
+        out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
+        slot: dict[int, int] = {}  # node -> its entry in the drafter cache
+        for level in range(1, max(levels, default=0) + 1):
+            froms = sorted({parents[i] for i in range(n) if levels[i] == level and (parents[i] < 0 or alive[parents[i]])})
+            if level > 1:
+                self._feed(froms, level - 1, tokens, parents, slot, out_of)
+            h = torch.stack([out_of[a] if a >= 0 else self.last for a in froms])  # [F, H]
+            for a, q in zip(froms, warp(self._draft_logits(h), sampling), strict=True):  # [Vd] per parent
+                kids = [i for i in range(n) if parents[i] == a]  # in draw order
+                k = min(len(kids), int((q > 0).sum()))
+                # k sequential draws without replacement, each from q renormalised over what is left (multinomial
+                # without replacement draws exactly so, in this order); draw j's q has draws 0..j-1 zeroed
+                picks = torch.multinomial(q, k, replacement=False, generator=sampling.generator)  # [k]
+                drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
+                left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
+                for i, x, q_node in zip(kids, picks.tolist(), left / left.sum(-1, keepdim=True), strict=False):
+                    tokens[i], qs[i], alive[i] = int(draft_ids[x]), q_node, True
+        keep = [i for i in range(n) if alive[i]]
+        index = {old: new for new, old in enumerate(keep)}
+        return DraftTree(torch.tensor([tokens[i] for i in keep], device=ids.device),
+                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=ids.device),
+                         self._over_target([qs[i] for i in keep]))
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:

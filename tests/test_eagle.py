@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.tree import DraftTree
-from draftsmith.decoding.verify import Sampling
+from draftsmith.decoding.verify import Sampling, accept_exact
 from draftsmith.models.eagle import (
     Eagle,
     EagleConfig,
@@ -634,29 +635,54 @@ def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_th
                 assert tree.q[c, tree.tokens[e]] == 0 and tree.q[e, tree.tokens[c]] > 0
 
 
-def test_a_sampled_tree_scores_draws_by_their_chance_of_acceptance():
-    """At T=1 a draw is accepted about as often as the drafter's acceptance alpha (a first draw; a later sibling
-    only after the first's rejection), not as often as its q: with alpha high a budget of `depth` nodes buys the
-    chain of first draws, with alpha low the root's siblings; and the verifications teach alpha."""
+def test_a_sampled_tree_is_shaped_by_each_draws_chance_of_acceptance():
+    """At T=1 the j-th draw at a node is the accepted child with chance prod_{i<j} (1 - a_i) a_j, a_j learnt
+    from the verifications: with a_0 high a budget of `depth` nodes buys the chain of first draws, with a_0 low
+    the root's draws; and the verifications teach a_0."""
     target = tiny_target(seed=2)
     target.lm_head.weight.data *= 10  # a peaked target
     m = method(3, target=target)
-    m.drafter.lm_head.weight.data.zero_()  # a uniform q: each later sibling's share is 1/95
+    m.drafter.lm_head.weight.data.zero_()  # a uniform q
     prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         out = m.target.model(prompt[:, :-1], output_hidden_states=True)
     sampling = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
 
-    def tree(first_draws: list[float] | None = None) -> list[int]:
+    def tree(first: list[float] | None = None) -> list[int]:
         p = m.proposer(mode="tree", top_k=3, depth=4, total_tokens=4)
-        p.first_draws = first_draws or p.first_draws
+        p.draws[0] = first or p.draws[0]
         p.accept(prompt[0], Verified(None, [], None, torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])))
-        return p.propose(prompt[0], sampling).parents.tolist()
-    assert tree() == [-1, 0, 1, 2]  # alpha 0.7 before any verification
-    assert tree([0.01, 1.0]).count(-1) == 3  # alpha 0.01 < 0.99 / 95
+        parents = p.propose(prompt[0], sampling).parents.tolist()
+        assert parents == p.shape()  # the shape is drawn in full (q has every token)
+        return parents
+    assert tree() == [-1, 0, 1, 2]  # a_j 0.7 before any verification: 0.7^4 > 0.3 * 0.7
+    assert tree([0.01, 1.0]).count(-1) == 3  # a_0 0.01: the root's draws first
     p = m.proposer(mode="tree", top_k=3, depth=4, total_tokens=8)
     speculative_generate(target.model, p, prompt, 24, sampling, eos_token_id=[])
-    assert p.first_draws[1] > 10 and p.first_draws[0] / p.first_draws[1] < 0.6  # uniform q on a peaked p: below 0.7
+    assert p.draws[0][1] > 10 and p.draws[0][0] / p.draws[0][1] < 0.6  # uniform q on a peaked p: below 0.7
+    assert p.draws[1][1] > 4  # a second draw is tested after each rejected first one
+
+
+def test_a_sampled_tree_keeps_the_targets_distribution_where_a_q_scored_one_did_not():
+    """The first token out of a sampled tree, drawn many times from a fixed q against a fixed p: chi-square
+    against p. Scoring a later draw by its own q (EAGLE-2's way, this tree's before stop 46) kept the root's
+    second draw when it was the likelier of the two tokens left and dropped it when it was the rarer one; that
+    skewed the output (token 0 came out at 0.20 against p's 0.32, chi-square 125 over 2,000 draws here)."""
+    q, p = torch.tensor([0.031, 0.07, 0.899]), torch.tensor([0.316, 0.674, 0.01])
+    drafter = SimpleNamespace(draft_ids=torch.arange(3), t2d=torch.ones(3, dtype=torch.bool))
+    proposer = EagleProposer(drafter, None, None, (), mode="tree", top_k=2, depth=2, total_tokens=3)
+    proposer._step = lambda tokens, h, positions, visible: torch.zeros(tokens.numel(), 4)  # noqa: ARG005
+    proposer._draft_logits = lambda h: q.log().expand(h.shape[0], 3)
+    proposer.last, proposer.n = torch.zeros(4), 5
+    g = torch.Generator().manual_seed(0)
+    counts, trials, widths = torch.zeros(3), 2000, set()
+    for _ in range(trials):
+        tree = proposer.propose(torch.zeros(6, dtype=torch.long), Sampling(temperature=1.0, generator=g))
+        widths.add(tree.parents.tolist().count(-1))
+        path, bonus = accept_exact(tree, p.expand(len(tree) + 1, 3), g)
+        counts[int(tree.tokens[path[0]]) if path else bonus] += 1
+    assert float(((counts - p * trials) ** 2 / (p * trials)).sum()) < 13.8  # chi-square, 2 dof, 1e-3
+    assert widths == {2}  # the root's two draws every time (the shape does not depend on what was drawn)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -248,6 +248,11 @@ VARIANTS = {
     "d_mlp2x_kv4": ("eagle3", ["eagle.intermediate_size=1408", "eagle.num_key_value_heads=4"]),
     # the target's T=1 answers twice in the mix (64% of the packed rows against 47%)
     "d_t1x2": ("eagle3", ["data.extra=[data/regenerated/reference-target/train_t1_g720.jsonl.gz,{T1ALL}]"]),
+    # stop 46: more step-0 updates in the budget (step 0 costs about an EAGLE-1 step, each later step ~40 ms more at
+    # ttt_fraction 0.5): later steps at a quarter of the positions, or one fewer unrolled step
+    "e_f25": ("eagle3", ["eagle.ttt_fraction=0.25"]),
+    "e_k4": ("eagle3", ["eagle.ttt_steps=4"]),
+    "e_mlp2x_f25": ("eagle3", ["eagle.intermediate_size=1408", "eagle.ttt_fraction=0.25"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

@@ -824,9 +824,7 @@ class EagleProposer(Proposer):
             frontier = expand(torch.stack([out_of[i] for i in frontier]), frontier)
         keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))[: self.total_tokens],
                       key=lambda i: (depth[i], i))
-        index = {old: new for new, old in enumerate(keep)}
-        return DraftTree(torch.tensor([tokens[i] for i in keep], device=ids.device),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=ids.device))
+        return kept_tree(keep, tokens, parents, ids.device)
 
     def shape(self) -> list[int]:
         """The sampled tree's shape from the learnt draw chances alone (the class docstring): parents per node,
@@ -855,7 +853,8 @@ class EagleProposer(Proposer):
         """`shape()` filled level by level: each parent's children are its first draws without replacement from
         its warped q (fewer where q has fewer tokens: the missing draws' subtrees are dropped)."""
         draft_ids, parents = self.drafter.draft_ids, self.shape()  # [Vd]
-        n, levels = len(parents), layout(parents).depth[1:].tolist()
+        lay = layout(parents)
+        n, levels = len(parents), lay.depth[1:].tolist()
         tokens, qs, alive = [0] * n, [None] * n, [False] * n
         out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
         slot: dict[int, int] = {}  # node -> its entry in the drafter cache
@@ -865,7 +864,7 @@ class EagleProposer(Proposer):
                 self._feed(froms, level - 1, tokens, parents, slot, out_of)
             h = torch.stack([out_of[a] if a >= 0 else self.last for a in froms])  # [F, H]
             for a, q in zip(froms, warp(self._draft_logits(h), sampling), strict=True):  # [Vd] per parent
-                kids = [i for i in range(n) if parents[i] == a]  # in draw order
+                kids = lay.kids[a + 1]  # in draw order
                 k = min(len(kids), int((q > 0).sum()))
                 # k sequential draws without replacement, each from q renormalised over what is left (multinomial
                 # without replacement draws exactly so, in this order); draw j's q has draws 0..j-1 zeroed
@@ -875,10 +874,15 @@ class EagleProposer(Proposer):
                 for i, x, q_node in zip(kids, picks.tolist(), left / left.sum(-1, keepdim=True), strict=False):
                     tokens[i], qs[i], alive[i] = int(draft_ids[x]), q_node, True
         keep = [i for i in range(n) if alive[i]]
-        index = {old: new for new, old in enumerate(keep)}
-        return DraftTree(torch.tensor([tokens[i] for i in keep], device=ids.device),
-                         torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=ids.device),
-                         self._over_target([qs[i] for i in keep]))
+        return kept_tree(keep, tokens, parents, ids.device, self._over_target([qs[i] for i in keep]))
+
+
+def kept_tree(keep: list[int], tokens: list[int], parents: list[int], device, q: torch.Tensor | None = None
+              ) -> DraftTree:
+    """The nodes `keep` (a list closed under parents, parents first) of a candidate tree, renumbered."""
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree(torch.tensor([tokens[i] for i in keep], device=device),
+                     torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=device), q)
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:

@@ -81,7 +81,7 @@ from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree, layout
 from draftsmith.decoding.verify import Sampling, warp
-from draftsmith.models.layerskip import decoder_layers, final_norm
+from draftsmith.models.layerskip import final_norm
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
 
@@ -107,9 +107,6 @@ class EagleConfig:
     num_key_value_heads: int = 0  # the layer's key/value heads (divides the target's heads); 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
-    fc_init: Literal["random", "lstsq"] = "random"  # EAGLE-3 fc: random, or least squares of f on the fused input
-    layer_init: Literal["random", "target"] = "random"  # EAGLE-3 midlayer: random, or the target's last layer
-    # (`init_from_last_layer`), which step 0 emulates: its fused input lacks that layer's output
     fuse_weight: float = 0.0  # EAGLE-3: SmoothL1 of norm(fc(g)) at t on the target's final feature f at t
     head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
@@ -130,8 +127,6 @@ class EagleConfig:
             (self.num_key_value_heads >= 0, "num_key_value_heads", "must be >= 0 (0: the target's)"),
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
             (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
-            (self.layer_init == "random" or (self.layer_init == "target" and self.version == 3), "layer_init",
-             "must be random or target (EAGLE-3 only)"),
             (self.head_steps >= 0 and (self.head_steps == 0 or self.feature_weight or self.input_weight), "head_steps",
              "must be >= 0, and later steps without the draft loss need feature_weight or input_weight"),
             (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
@@ -156,9 +151,6 @@ class EagleConfig:
             self.feature_weight = 1.0 if self.version == 1 else 0.0
         if self.loss_chunk is None:
             self.loss_chunk = self.logit_chunk
-
-
-FC_FIT_BATCHES = 4
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -302,12 +294,9 @@ class EagleDrafter(nn.Module):
         SGLang) apply fc only to a wider one; training and decoding both read it through here."""
         if g.shape[-1] == self.config.hidden_size:
             return g
-        return self.fc(self.fc_input(g))
-
-    def fc_input(self, g: torch.Tensor) -> torch.Tensor:
         if self.fc_norm is not None:
             g = torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
-        return g
+        return self.fc(g)
 
     def logits(self, out: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
         """Draft logits [.., Vd]: EAGLE-3's own head on norm(out), EAGLE-1 the target's head on out (Vd = V)."""
@@ -396,40 +385,6 @@ def final_norm_scale(target: Target) -> torch.Tensor:
         return norm(torch.ones(1, H, dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device))[0]
 
 
-def init_from_last_layer(d: EagleDrafter, target: Target) -> None:
-    """EAGLE-3's midlayer started as the target's last decoder layer, and fc as the identity on the last fused
-    layer (the input to that last layer, when aux_layers ends at L - 1). Step 0 then begins by computing what the
-    target's last layer computes, which its fused input lacks and EAGLE-1's final feature holds: the layer's
-    attention reads the past keys and values the target's does (hidden halves of q/k/v = the target's; the
-    embedding halves start at zero), and its MLP and norms are the target's."""
-    layer = decoder_layers(target.model)[-1]
-    mid, H = d.midlayer, d.config.hidden_size
-    ours = {"input_layernorm": mid.hidden_norm, "post_attention_layernorm": mid.post_attention_layernorm,
-            "self_attn.o_proj": mid.self_attn.o_proj, **{f"mlp.{n}": getattr(mid.mlp, n) for n in
-                                                          ("gate_proj", "up_proj", "down_proj")}}
-    theirs = dict(layer.named_modules())
-    for name in ("q_proj", "k_proj", "v_proj"):
-        ours[f"self_attn.{name}"] = getattr(mid.self_attn, name)
-    want = {n: (m.weight.shape[0], H) if n.endswith(("q_proj", "k_proj", "v_proj")) else m.weight.shape
-            for n, m in ours.items()}
-    bad = [n for n in ours if n not in theirs or getattr(theirs[n], "bias", None) is not None
-           or getattr(getattr(theirs[n], "weight", None), "shape", None) != want[n]]
-    if bad:
-        raise ConfigError(f"eagle.layer_init=target: the target's last layer ({type(layer).__name__}) has no Llama-like "
-                          f"{bad} of the drafter's shape; use random (or the target's intermediate_size and "
-                          "num_key_value_heads)")
-    with torch.no_grad():
-        for name, m in ours.items():
-            w = theirs[name].weight
-            if name.endswith(("q_proj", "k_proj", "v_proj")):  # [out, 2H]: [embedding half; hidden half]
-                m.weight.zero_()
-                m.weight[:, H:].copy_(w)
-            else:
-                m.weight.copy_(w)
-        d.fc.weight.zero_()
-        d.fc.weight[:, -H:].copy_(torch.eye(H))
-
-
 class Eagle(nn.Module):
     """The training method: a frozen target (online) or its cached features (offline) + an EagleDrafter."""
 
@@ -459,11 +414,8 @@ class Eagle(nn.Module):
                 head.weight.data.copy_(rows)
         if cfg.version == 3 and cfg.norm_init == "target":
             self.drafter.norm.weight.data.copy_(final_norm_scale(target))
-        if cfg.layer_init == "target":
-            init_from_last_layer(self.drafter, target)
         self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
         self.measuring = True  # the acceptance metrics in training; the loop sets it on the steps it logs alone
-        self.fit_left = FC_FIT_BATCHES if cfg.fc_init == "lstsq" and cfg.version == 3 else 0
 
     # ---- features ----------------------------------------------------------------------------------
 
@@ -567,8 +519,6 @@ class Eagle(nn.Module):
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
         f, g = self.features(batch)  # [b, s, H], [b, s, n*H]
-        if self.training and self.fit_left:
-            self.fit_fc(g[seq >= 0], f[seq >= 0])
         K = steps or (self.ttt_length() if self.training else cfg.ttt_steps)
         measure = self.measuring or not self.training
         t = torch.arange(s, device=ids.device).expand(b, s)  # [b, m] the positions this step's queries run at
@@ -642,21 +592,6 @@ class Eagle(nn.Module):
                 on_path = on_path & ok & (take(ids, t, j + 1) == target_next)  # next step fed what decoding would feed
             h = out
         return total, metrics
-
-    @torch.no_grad()
-    def fit_fc(self, g: torch.Tensor, f: torch.Tensor) -> None:
-        d = self.drafter
-        x = d.fc_input(g).double()  # [N, n*H]
-        if not hasattr(self, "xtx"):
-            self.xtx, self.xty = x.new_zeros(x.shape[1], x.shape[1]), x.new_zeros(x.shape[1], f.shape[1])
-        self.xtx += x.T @ x
-        self.xty += x.T @ f.double()
-        self.fit_left -= 1
-        if not self.fit_left:
-            lam = 1e-3 * self.xtx.diagonal().mean()
-            w = torch.linalg.solve(self.xtx + lam * torch.eye(len(self.xtx), dtype=x.dtype, device=x.device), self.xty)
-            d.fc.weight.copy_(w.T)
-            del self.xtx, self.xty
 
     def step_input(self, k: int, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What TTT step k feeds the drafter: the embedding of x_{t+1+k} [b, s, H] and, after step 0, the drafter's

@@ -253,11 +253,6 @@ VARIANTS = {
     "e_f25": ("eagle3", ["eagle.ttt_fraction=0.25"]),
     "e_k4": ("eagle3", ["eagle.ttt_steps=4"]),
     "e_mlp2x_f25": ("eagle3", ["eagle.intermediate_size=1408", "eagle.ttt_fraction=0.25"]),
-    # stop 47: step 0 must compute the target's last layer, which its fused input (the inputs to the last three
-    # layers) lacks and EAGLE-1's final feature holds: the midlayer started as that layer, with the target's norm
-    "g_layer": ("eagle3", ["eagle.layer_init=target"]),
-    "g_layer_norm": ("eagle3", ["eagle.layer_init=target", "eagle.norm_init=target"]),
-    "g_lstsq": ("eagle3", ["eagle.fc_init=lstsq"]),
     # stop 47: step 0 trails EAGLE-1's at T=1 while its input is not the cause; the wider MLP (stop 44) helped it
     "g_mlp3x": ("eagle3", ["eagle.intermediate_size=2112"]),
     "g_mlp4x": ("eagle3", ["eagle.intermediate_size=2816"]),

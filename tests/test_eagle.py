@@ -310,29 +310,6 @@ def test_eagle3_norm_from_the_target_makes_norm_and_head_the_targets_own(arch):
         assert torch.allclose(got, want, atol=1e-5) == (norm_init == "target")
 
 
-def test_eagle3_layer_from_the_target_makes_step_0_the_targets_last_layer():
-    """layer_init=target: fed the input to the target's last layer (the last fused layer, fc its identity), step 0
-    computes that layer: its output is the target's pre-norm final hidden state at every position, whatever the
-    drafted token (the embedding halves of q/k/v start at zero), and with the target's norm and head the drafter
-    gives the target's own logits. Randomly initialised, it does not. Other layer shapes are refused."""
-    target = tiny_target()
-    bt = batch(b=1, s=10)
-    want = target.model(input_ids=bt["input_ids"]).logits[0]  # [s, V]
-    for layer_init in ("target", "random"):
-        torch.manual_seed(0)
-        m = Eagle(target, EagleConfig(version=3, ttt_steps=1, aux_layers=[1, 2, 3], layer_init=layer_init,
-                                      norm_init="target"), torch.arange(V)).eval()
-        outs = []
-        m.drafter.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
-        m.ttt(bt)
-        got = m.drafter.logits(outs[0], target.lm_head)  # [s, V]
-        assert torch.allclose(got, want, atol=1e-4) == (layer_init == "target")
-    with pytest.raises(ConfigError, match="layer_init=target"):
-        Eagle(target, EagleConfig(version=3, layer_init="target", intermediate_size=128), torch.arange(V))
-    with pytest.raises(ConfigError, match="layer_init"):
-        EagleConfig(version=1, layer_init="target")
-
-
 def test_head_steps_trains_the_draft_loss_at_the_first_steps_alone():
     """head_steps=1: steps after the first learn from the regressions alone, so the (trainable) head's gradient is
     that of one unrolled step, and their acceptance is not reported in training; evaluation still drafts them all."""

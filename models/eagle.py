@@ -294,9 +294,13 @@ class EagleDrafter(nn.Module):
         SGLang) apply fc only to a wider one; training and decoding both read it through here."""
         if g.shape[-1] == self.config.hidden_size:
             return g
-        if self.fc_norm is not None:
-            g = torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
-        return self.fc(g)
+        return self.fc(self.fc_input(g))
+
+    def fc_input(self, g: torch.Tensor) -> torch.Tensor:
+        """What fc reads of target features g [.., n*H]: each captured layer through its fc_norm (EAGLE 3.1), or g."""
+        if self.fc_norm is None:
+            return g
+        return torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
 
     def logits(self, out: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
         """Draft logits [.., Vd]: EAGLE-3's own head on norm(out), EAGLE-1 the target's head on out (Vd = V)."""

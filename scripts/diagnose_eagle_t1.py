@@ -51,10 +51,7 @@ def input_fit(m: Eagle, rows: list[dict]) -> dict:
         f, g = m.features(batch)  # [b, s, H], [b, s, n*H]
         real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones(f.shape[:2], dtype=torch.bool)
         fs.append(f[real])
-        g = g[real]  # [N, n*H], what fc reads after each layer's fc_norm
-        if d.fc_norm is not None:
-            g = torch.cat([n(x) for n, x in zip(d.fc_norm, g.chunk(len(d.fc_norm), -1), strict=True)], -1)
-        xs.append(g)
+        xs.append(d.fc_input(g[real]))  # [N, n*H]
     f, x = torch.cat(fs), torch.cat(xs)  # [N, H], [N, n*H]
     half, H = len(f) // 2, f.shape[1]
 

@@ -21,6 +21,10 @@ and the proposer, and differ in what goes in and comes out:
               each output regressed on what step 0 reads one position on, the input the next step takes it for
               (eagle.input_weight; EAGLE-1's regression carried into EAGLE-3's own input space)
 
+With eagle.num_layers n > 1 the midlayer's output goes through n - 1 plain pre-norm Llama layers before the head
+(`DecoderLayer`, as vLLM and speculators build a multi-layer EAGLE-3 drafter); each has its own keys in the
+training-time test and its own entry in the decoding KV cache.
+
 f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
 indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
 EAGLE repository's convention: the default (2, L//2, L-3) are the inputs to those layers.
@@ -47,7 +51,7 @@ scores [b, heads, m, s] exist per unrolled step (eager attention; no fused kerne
 The token embedding is the target's own module, frozen with the target (a copy would be identical).
 
 Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
-`t2d`), so exports are renames (models/eagle_export.py).
+`t2d`; the later layers `additional_layers.*`), so exports are renames (models/eagle_export.py).
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class EagleConfig:
     token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
     input_weight: float = 0.0  # EAGLE-3: SmoothL1 of each step's output on fc(g) of the next position (what step 0 reads)
     intermediate_size: int = 0  # MLP width of the layer; 0: the target's
+    num_layers: int = 1  # decoder layers: the midlayer, then num_layers - 1 plain pre-norm layers (vLLM's EAGLE-3)
     num_key_value_heads: int = 0  # the layer's key/value heads (divides the target's heads); 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
     norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
@@ -124,6 +129,7 @@ class EagleConfig:
             (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
             (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
             (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
+            (self.num_layers >= 1, "num_layers", "must be >= 1"),
             (self.num_key_value_heads >= 0, "num_key_value_heads", "must be >= 0 (0: the target's)"),
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
             (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
@@ -183,7 +189,8 @@ def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> Llam
                           f"{text.num_attention_heads} attention heads; use a divisor of it (0: the target's)")
     config = LlamaConfig(
         hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
-        num_hidden_layers=1, num_attention_heads=text.num_attention_heads, num_key_value_heads=kv_heads,
+        num_hidden_layers=getattr(cfg, "num_layers", 1), num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=kv_heads,
         head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
@@ -217,12 +224,34 @@ class MidLayer(nn.Module):
         mask [b, 1, q, keys] additive; training-time test: cache the list of the earlier steps' keys and values,
         mask [b, q, s] bool over step 0's keys (`ttt_attention`)."""
         x = h if self.version == 1 else torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)  # [b, q, 2H]
-        if isinstance(cache, list):
-            a = ttt_attention(self.self_attn, x, rope, mask, cache)
-        else:
-            a = self.self_attn(x, position_embeddings=rope, attention_mask=mask.to(h.dtype), cache=cache)[0]
-        h = h + a
+        h = h + attend(self.self_attn, x, rope, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLayer(nn.Module):
+    """A drafter layer after the midlayer: a plain pre-norm Llama layer on the previous layer's output (vLLM's
+    layers 1.. of a multi-layer EAGLE-3 drafter: input_layernorm over the residual stream, attention, MLP)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        H = config.hidden_size
+        self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own entry of the decoding KV cache
+        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
+        """h [b, q, H] -> [b, q, H]; mask and cache as `MidLayer.forward` reads them."""
+        h = h + attend(self.self_attn, self.input_layernorm(h), rope, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attend(attn: LlamaAttention, x: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
+    """A drafter layer's attention: `ttt_attention` in training-time test (cache the list of the earlier steps' keys
+    and values), else over the decoder's KV cache with an additive mask [b, 1, q, keys]."""
+    if isinstance(cache, list):
+        return ttt_attention(attn, x, rope, mask, cache)
+    return attn(x, position_embeddings=rope, attention_mask=mask.to(x.dtype), cache=cache)[0]
 
 
 def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: torch.Tensor,
@@ -251,7 +280,8 @@ def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: t
 
 
 class EagleDrafter(nn.Module):
-    """The trainable drafter: fc, midlayer, and for EAGLE-3 norm + lm_head over the draft vocabulary.
+    """The trainable drafter: fc, midlayer (+ additional_layers), and for EAGLE-3 norm + lm_head over the draft
+    vocabulary.
 
     `d2t` [Vd] int64 (target id = i + d2t[i]) and `t2d` [V] bool are buffers fixed before training.
     """
@@ -269,6 +299,7 @@ class EagleDrafter(nn.Module):
             self.norm = LlamaRMSNorm(H, config.rms_norm_eps)
             self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
         self.midlayer = MidLayer(config, version)
+        self.additional_layers = nn.ModuleList(DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
         self.rotary = LlamaRotaryEmbedding(config)
         draft_ids = draft_ids.long()
         self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
@@ -286,7 +317,11 @@ class EagleDrafter(nn.Module):
         position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]."""
         h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
         rope = self.rotary(h, position_ids)
-        return self.midlayer(emb, h, rope, mask, cache)
+        caches = cache if isinstance(cache, list) else [cache] * self.config.num_hidden_layers  # TTT: one per layer
+        h = self.midlayer(emb, h, rope, mask, caches[0])
+        for layer, c in zip(self.additional_layers, caches[1:], strict=True):
+            h = layer(h, rope, mask, c)
+        return h
 
     def fuse(self, g: torch.Tensor) -> torch.Tensor:
         """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]. An input
@@ -545,7 +580,7 @@ class Eagle(nn.Module):
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's keys and values (`ttt_attention`)
+        past: list[list] = [[] for _ in range(cfg.num_layers)]  # per layer, each step's keys and values
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g), which the regressions below read too
             h = d.fuse(g)  # [b, s, H]
@@ -658,7 +693,8 @@ def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
     cfg = EagleConfig(version=meta["version"], aux_layers=meta["aux_layers"], ttt_steps=meta["ttt_steps"],
                       draft_vocab_size=drafter.d2t.numel(), intermediate_size=drafter.config.intermediate_size,
                       num_key_value_heads=drafter.config.num_key_value_heads,
-                      fc_norm=getattr(drafter.config, "fc_norm", False))
+                      fc_norm=getattr(drafter.config, "fc_norm", False),
+                      num_layers=drafter.config.num_hidden_layers)
     method = Eagle(target, cfg, drafter.draft_ids)
     method.drafter.load_state_dict(drafter.state_dict())
     return method

@@ -8,8 +8,11 @@ sglang       EAGLE-3 as SGLang and SpecForge load it (sglang python/sglang/srt/m
              (SGLang's ids)}; model.safetensors with fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool) and
              no embedding (the target's is used). It also carries a top-level eagle_aux_hidden_state_layer_ids
              with vLLM's ids, which vLLM reads first and SGLang ignores, so vLLM reads this directory right too.
+             One layer only: SGLang's later layers (BasicDecoderLayer) drop the residual stream they are given.
 vllm         EAGLE-3: vLLM's Eagle3LlamaForCausalLM (vllm/model_executor/models/llama_eagle3.py): the same
-             tensors under layers.0.*, top-level eagle_aux_hidden_state_layer_ids, norm_before_residual false.
+             tensors under layers.0.*, top-level eagle_aux_hidden_state_layer_ids, norm_before_residual false;
+             a drafter with eagle.num_layers > 1 has its later layers under layers.1.* .., which vLLM builds as
+             plain pre-norm layers (input_layernorm over the residual stream), as the drafter computes them.
              EAGLE-1: vLLM's EagleLlamaForCausalLM (llama_eagle.py): a one-layer Llama config
              (LlamaForCausalLM), fc.weight over [embedding; feature] and layers.0.* without input_layernorm.
              vLLM builds fc without a bias, so fc's bias b is folded exactly into the attention, whose input
@@ -20,7 +23,8 @@ speculators  EAGLE-3 in the speculators library's format, which vLLM reads (vllm
              speculators/): speculators_model_type eagle3, architectures [Eagle3Speculator], the layer's config
              as transformer_layer_config, eagle_aux_hidden_state_layer_ids (vLLM's ids), norm_before_residual
              false (vLLM takes a missing one as true), speculators_config (greedy proposals of ttt_steps
-             tokens, verifier = the target); tensors as for vllm.
+             tokens, verifier = the target); tensors as for vllm (speculators' later layers are its plain decoder
+             layers, as vLLM's).
 
 Layer ids. The drafter records Hugging Face hidden_states indices j (the input to decoder layer j). vLLM
 captures the input to layer i for each id i, so its id is j; SGLang adds 1 to each id and captures the
@@ -36,6 +40,7 @@ the convention of each id field. Each loader reads a directory the way its engin
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -93,12 +98,12 @@ def _serving_order(drafter: EagleDrafter, layers: list[int], num_layers: int) ->
 
 
 def _llama_fields(config: LlamaConfig, dtype: torch.dtype) -> dict:
-    """The one-layer Llama config the engines build the drafter layer from. Rope goes as rope_theta +
+    """The Llama config the engines build the drafter's layers from. Rope goes as rope_theta +
     rope_scaling, which transformers 4 and 5 and the engines all read (transformers 5 writes rope_parameters)."""
     rope = dict(config.rope_parameters)
     theta = rope.pop("rope_theta")
     return {"model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-            "num_hidden_layers": 1, "num_attention_heads": config.num_attention_heads,
+            "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
             "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
             "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
@@ -116,19 +121,36 @@ def _write(tmp: Path, fmt: str, meta: dict, config: dict, tensors: dict, layers:
 
 
 def _eagle3(drafter: EagleDrafter, meta: dict, prefix: str):
-    """(serving-order layers, tensors with the layer under `prefix`, the EAGLE-3 config fields, target config).
-    EAGLE 3.1's fc_norm goes as `fc_norm: true` (vLLM and SGLang read a missing one as false) and fc_norm.{i}.weight."""
+    """(serving-order layers, tensors with the midlayer under `prefix` (and additional layer i - 1 under layers.i.),
+    the EAGLE-3 config fields, target config). EAGLE 3.1's fc_norm goes as `fc_norm: true` (vLLM and SGLang read a
+    missing one as false) and fc_norm.{i}.weight."""
     target = _target_config(meta["target"])
     layers, fused = _serving_order(drafter, meta["aux_layers"], target.get_text_config().num_hidden_layers)
-    tensors = {k.replace("midlayer.", prefix): v for k, v in drafter.state_dict().items()} | fused
+    tensors = {_served_name(k, prefix): v for k, v in drafter.state_dict().items()} | fused
     fields = {"draft_vocab_size": drafter.d2t.numel(), "target_hidden_size": drafter.config.target_hidden_size}
     if drafter.fc_norm is not None:
         fields["fc_norm"] = True
     return layers, tensors, fields, target
 
 
+def _served_name(name: str, prefix: str) -> str:
+    """A drafter tensor's name in an export: midlayer.* under `prefix`, additional_layers.{i}.* as layers.{i+1}.*."""
+    name = name.replace("midlayer.", prefix)
+    return re.sub(r"^additional_layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) + 1}.", name)
+
+
+def _drafter_name(name: str) -> str:
+    """An exported tensor's name in the drafter: layers.0.* as midlayer.*, layers.{i}.* as additional_layers.{i-1}.*."""
+    return re.sub(r"^layers\.(\d+)\.", lambda m: "midlayer." if m[1] == "0" else f"additional_layers.{int(m[1]) - 1}.",
+                  name)
+
+
 def write_sglang(drafter_dir: Path, tmp: Path, final: Path) -> None:
     drafter, meta = _source(drafter_dir, "sglang")
+    if drafter.config.num_hidden_layers > 1:  # python/sglang/srt/models/llama_eagle3.py, BasicDecoderLayer.forward
+        raise ValueError(f"this drafter has {drafter.config.num_hidden_layers} layers and SGLang's layers after the "
+                         "first restart the residual stream from the previous layer's MLP output, so it would compute "
+                         "another function; export it with --format vllm or speculators")
     layers, tensors, fields, _ = _eagle3(drafter, meta, "midlayer.")
     config = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(drafter.config, drafter.fc.weight.dtype),
               **fields, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j - 1 for j in layers]},
@@ -150,6 +172,9 @@ def write_vllm(drafter_dir: Path, tmp: Path, final: Path) -> None:
 
 
 def _write_vllm_eagle1(drafter: EagleDrafter, meta: dict, tmp: Path) -> None:
+    if drafter.config.num_hidden_layers > 1:
+        raise ValueError(f"this EAGLE-1 drafter has {drafter.config.num_hidden_layers} layers and the EAGLE-1 export "
+                         "holds one (the paper's); train it with eagle.num_layers=1")
     state = {k.replace("midlayer.", "layers.0."): v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
     b = state.pop("fc.bias")  # [H]
     for p in "qkv":
@@ -193,9 +218,9 @@ def _layer_config(fields: dict) -> LlamaConfig:
 
 
 def _eagle3_drafter(fields: dict, tensors: dict[str, torch.Tensor], layers: list[int]) -> EagleDrafter:
-    """An EAGLE-3 drafter from a Llama config dict and tensors named midlayer.* or layers.0.*; t2d is rebuilt
-    from d2t, as both engines ignore it."""
-    state = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items() if k != "t2d"}
+    """An EAGLE-3 drafter from a Llama config dict and tensors named midlayer.* or layers.0.* (and layers.i.* for the
+    layers after it); t2d is rebuilt from d2t, as both engines ignore it."""
+    state = {_drafter_name(k): v for k, v in tensors.items() if k != "t2d"}
     config = _layer_config(fields)
     config.draft_vocab_size = state["d2t"].numel()
     config.target_hidden_size = fields.get("target_hidden_size") or config.hidden_size

@@ -61,7 +61,8 @@ def batch(b: int = 2, s: int = 12, seed: int = 0) -> dict:
             "position_ids": torch.arange(s).expand(b, s)}
 
 
-@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"aux_layers": [2], "fuse_weight": 1.0})])
+@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"aux_layers": [2], "fuse_weight": 1.0}),
+                                        (3, {"num_layers": 2})])
 def test_training_time_test_step_k_equals_what_the_proposer_computes(version, kw):
     """Step k's output at position t is the drafter output decoding computes after feeding the target features
     of positions 0..t and then its own outputs for k drafted tokens (here the data tokens). A single captured layer
@@ -571,9 +572,10 @@ def test_default_aux_layers_follow_the_eagle_repository():
         EagleConfig(version=1, aux_layers=[1])
 
 
-@pytest.mark.parametrize("version,mode", [(1, "chain"), (3, "chain"), (1, "tree"), (3, "tree")])
-def test_greedy_decoding_equals_the_targets_own(version, mode):
-    m = method(version, draft_ids=torch.arange(0, V, 3) if version == 3 else None)
+@pytest.mark.parametrize("version,mode,layers", [(1, "chain", 1), (3, "chain", 1), (1, "tree", 1), (3, "tree", 1),
+                                                 (3, "chain", 2), (3, "tree", 2)])
+def test_greedy_decoding_equals_the_targets_own(version, mode, layers):
+    m = method(version, draft_ids=torch.arange(0, V, 3) if version == 3 else None, num_layers=layers)
     prompt = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(1))
     p = m.proposer(mode=mode, gamma=4, top_k=3, depth=3, total_tokens=10)
     spec, stats = speculative_generate(m.target.model, p, prompt, 24, eos_token_id=[])
@@ -694,8 +696,8 @@ def test_sampled_output_has_the_targets_distribution(mode):
     assert chi2 < critical
 
 
-@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"num_key_value_heads": 4})],
-                         ids=["eagle1", "eagle3", "eagle3-kv4"])
+@pytest.mark.parametrize("version,kw", [(1, {}), (3, {}), (3, {"num_key_value_heads": 4}), (3, {"num_layers": 2})],
+                         ids=["eagle1", "eagle3", "eagle3-kv4", "eagle3-2-layers"])
 def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version, kw):
     m = method(version, draft_ids=torch.arange(10, 60) if version == 3 else None, **kw)
     m.save_pretrained(tmp_path)
@@ -703,6 +705,7 @@ def test_checkpoint_round_trip_and_decoder_loading(tmp_path, version, kw):
     assert meta["method"] == "eagle" and meta["version"] == version
     back = load_eagle(tmp_path, m.target)
     assert back.drafter.config.num_key_value_heads == kw.get("num_key_value_heads", 2)  # 2: the target's
+    assert back.drafter.config.num_hidden_layers == len(back.drafter.additional_layers) + 1 == kw.get("num_layers", 1)
     for k, v in m.drafter.state_dict().items():
         assert torch.equal(v, back.drafter.state_dict()[k]), k
     proposer = decoder_load_proposer(str(tmp_path), m.target.model, gamma=3)

@@ -390,6 +390,49 @@ def test_an_eagle1_drafter_in_an_eagle3_format_names_the_format_that_works(fmt, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
 
 
+# vllm/model_executor/models/llama_eagle3.py: LlamaModel builds config.num_hidden_layers layers; layer 0 reads
+# [embeds; hidden] (qkv_proj from 2H), layers 1.. are plain (qkv_proj from H, input_layernorm adding the residual
+# the layer before carries: the residual stream, as the drafter's DecoderLayer); layers.i.* loads into
+# model.layers.i.*. speculators 0.9.0 (models/eagle3/core.py) builds layers 1.. of transformer_layer_config as
+# transformers' LlamaDecoderLayer, the same. SGLang's later layers (BasicDecoderLayer) restart the residual from
+# the previous layer's MLP output: refused.
+VLLM_SECOND_LAYER = {f"model.layers.1.{stacked(n)}" for n in LAYER + ["input_layernorm.weight"]}
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_two_layer_drafter_exports_its_second_layer_as_layers_1(fmt, target, tmp_path):
+    src = drafter_dir(target, tmp_path / "drafter", aux_layers=(1, 3, 4), num_layers=2)
+    out = R.export(src, fmt, tmp_path / fmt)
+    cfg, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert cfg.get("transformer_layer_config", cfg)["num_hidden_layers"] == 2
+    assert vllm_names(tensors) == VLLM_EAGLE3_PARAMS | VLLM_SECOND_LAYER
+    assert tuple(tensors["layers.1.self_attn.q_proj.weight"].shape) == (H, H)  # from H, not 2H
+    original, meta = load_drafter(src)
+    loaded, back = R.load("eagle", fmt, out)
+    a, b = original.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids, hs = hidden_states(target)
+    assert torch.equal(draft_logits(original, target, ids, features(hs, [1, 3, 4])),
+                       draft_logits(loaded, target, ids, features(hs, [1, 3, 4])))
+    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    for mode in ("chain", "tree"):
+        proposer = EagleProposer(loaded, target.embed, target.lm_head, back["aux_layers"], mode=mode, gamma=3,
+                                 top_k=3, depth=3, total_tokens=8)
+        spec, _ = speculative_generate(target.model, proposer, prompt, 16, eos_token_id=[])
+        assert torch.equal(spec, plain_generate(target.model, prompt, 16, eos_token_id=[])[0]), mode
+
+
+def test_a_two_layer_drafter_is_refused_by_the_sglang_format_and_its_eagle1_export(target, tmp_path):
+    src = drafter_dir(target, tmp_path / "drafter", num_layers=2)
+    with pytest.raises(ValueError, match="2 layers and SGLang's layers after the first restart the residual stream.*"
+                                         "export it with --format vllm or speculators$"):
+        R.export(src, "sglang", tmp_path / "sglang")
+    src1 = drafter_dir(target, tmp_path / "eagle1", version=1, num_layers=2)
+    with pytest.raises(ValueError, match="EAGLE-1 export holds one .*eagle.num_layers=1$"):
+        R.export(src1, "vllm", tmp_path / "vllm")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "eagle1"]
+
+
 @pytest.mark.parametrize("aux_layers,match", [((1, 3), "three distinct"),
                                               ((1, 3, L), r"inputs to decoder layers 1\.\.5"),
                                               ((0, 3, 4), r"inputs to decoder layers 1\.\.5")])

@@ -256,6 +256,8 @@ VARIANTS = {
     # stop 47: step 0 trails EAGLE-1's at T=1 while its input is not the cause; the wider MLP (stop 44) helped it
     "g_mlp3x": ("eagle3", ["eagle.intermediate_size=2112"]),
     "g_mlp4x": ("eagle3", ["eagle.intermediate_size=2816"]),
+    "h_2layers": ("eagle3", ["eagle.num_layers=2"]),
+    "h_e1_2layers": ("eagle1", ["eagle.num_layers=2"]),
 }
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures

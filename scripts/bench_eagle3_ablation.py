@@ -89,6 +89,8 @@ VARIANTS = {
     "d_ttt_constant": ("eagle3", ["eagle.ttt_ramp=0.0"]),
     "d_tv": ("eagle3", ["eagle.loss=tv"]),
     "d_vocab_4096": ("eagle3", ["eagle.draft_vocab_size=4096"]),  # the target's mass on it: 0.95 against 0.89
+    "d_lk": ("eagle3", ["eagle.loss=lk"]),
+    "d_one_layer": ("eagle3", ["eagle.num_layers=1"]),  # the recipe before stop 48
     # screened (--screen), first one factor at a time from the recipe of stop 22 (STOP22), then combined
     "e3_stop22": ("eagle3", STOP22),
     "e3_ramp_0.5": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5"]),

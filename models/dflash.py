@@ -170,7 +170,6 @@ class DFlash(nn.Module):
             raise ConfigError(f"dflash.mask_token_id: {mask_token_id} is not a token id of the target's vocabulary")
         self.mask_token_id = mask_token_id
         config = draft_config(target.config, cfg, text.vocab_size)
-        config.num_hidden_layers = cfg.num_layers
         self.drafter = DFlashDrafter(config, len(self.layers)).to(target.lm_head.weight)
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:

@@ -72,6 +72,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -189,7 +190,7 @@ def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> Llam
                           f"{text.num_attention_heads} attention heads; use a divisor of it (0: the target's)")
     config = LlamaConfig(
         hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
-        num_hidden_layers=getattr(cfg, "num_layers", 1), num_attention_heads=text.num_attention_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=text.num_attention_heads,
         num_key_value_heads=kv_heads,
         head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
@@ -228,17 +229,10 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DecoderLayer(nn.Module):
-    """A drafter layer after the midlayer: a plain pre-norm Llama layer on the previous layer's output (vLLM's
-    layers 1.. of a multi-layer EAGLE-3 drafter: input_layernorm over the residual stream, attention, MLP)."""
-
-    def __init__(self, config: LlamaConfig, layer_idx: int):
-        super().__init__()
-        H = config.hidden_size
-        self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own entry of the decoding KV cache
-        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+class DecoderLayer(LlamaDecoderLayer):
+    """A drafter layer after the midlayer: transformers' Llama layer (its modules and their names; its layer_idx is
+    its own entry of the decoding KV cache) on the previous layer's output, as vLLM's layers 1.. of a multi-layer
+    EAGLE-3 drafter (input_layernorm over the residual stream, attention, MLP), with the drafter's attention."""
 
     def forward(self, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
         """h [b, q, H] -> [b, q, H]; mask and cache as `MidLayer.forward` reads them."""

@@ -14,7 +14,6 @@ vLLM serves, differed from the drafter's for one-layer exports as much as for mu
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -31,8 +30,9 @@ def prepare(run: Path, out: Path) -> None:
     with torch.no_grad():
         _, g = m.features({"input_ids": ids})  # [1, s, 3H] in the drafter's layer order
         emb = m.target.embed(ids[:, 1:])  # [1, s-1, H] step 0 at t reads token t+1
-        causal = additive(torch.ones(39, 39, dtype=torch.bool).tril())[None, None]  # [1, 1, s-1, s-1]
-        h = m.drafter(emb, g[:, :-1], torch.arange(39)[None], causal, None)  # [1, s-1, H]
+        n = emb.shape[1]
+        causal = additive(torch.ones(n, n, dtype=torch.bool).tril())[None, None]  # [1, 1, s-1, s-1]
+        h = m.drafter(emb, g[:, :-1], torch.arange(n)[None], causal, None)  # [1, s-1, H]
         tokens = m.drafter.logits(h, m.target.lm_head).argmax(-1)  # [1, s-1] draft ids
     torch.save({"ids": ids, "g": g, "hidden": h, "tokens": tokens, "layers": m.layers}, out / "ref.pt")
     print(f"exported {out / 'export'}: {m.drafter.config.num_hidden_layers} layer(s), aux layers {m.layers}")
@@ -48,8 +48,8 @@ def check(out: Path) -> None:
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(out / "export", config=config).eval()
     model.load_verifier_weights()
-    verifier = Path(json.loads((out / "export" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"])
-    weights = load_file(verifier / "model.safetensors")
+    verifier = config.speculators_config.verifier.name_or_path
+    weights = load_file(Path(verifier) / "model.safetensors")
     model.embed_tokens.weight.data.copy_(weights["model.embed_tokens.weight"])
     order = sorted(range(3), key=ref["layers"].__getitem__)  # the export serves the layers in increasing order
     g = torch.cat([ref["g"].chunk(3, -1)[i] for i in order], -1)[:, :-1]  # [1, s-1, 3H]

@@ -72,7 +72,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
-    LlamaDecoderLayer,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
@@ -229,10 +228,18 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DecoderLayer(LlamaDecoderLayer):
-    """A drafter layer after the midlayer: transformers' Llama layer (its modules and their names; its layer_idx is
-    its own entry of the decoding KV cache) on the previous layer's output, as vLLM's layers 1.. of a multi-layer
-    EAGLE-3 drafter (input_layernorm over the residual stream, attention, MLP), with the drafter's attention."""
+class DecoderLayer(nn.Module):
+    """A drafter layer after the midlayer: a plain pre-norm Llama layer on the previous layer's output (vLLM's
+    layers 1.. of a multi-layer EAGLE-3 drafter: input_layernorm over the residual stream, attention, MLP). Not a
+    subclass of transformers' LlamaDecoderLayer, whose instances FSDP2 would wrap as units of a Llama target's."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        H = config.hidden_size
+        self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own entry of the decoding KV cache
+        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
 
     def forward(self, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
         """h [b, q, H] -> [b, q, H]; mask and cache as `MidLayer.forward` reads them."""

@@ -709,8 +709,11 @@ class EagleProposer(Proposer):
     x_{p+1}, at rope position p), so drafting always restarts from the target's own hidden states. Then:
     - chain: gamma tokens, each fed back with the drafter's output hidden state;
     - tree, greedy (EAGLE-2's dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
-      by their `top_k` children, scored by the cumulative log draft probability q; the best `total_tokens` nodes
-      over all depths form the tree (ancestors score at least as high as descendants, so it is closed).
+      by their `top_k` children, scored by the cumulative log draft probability q, the greedy chain's tip always
+      among them. The tree is the greedy chain (each node's top-1 child from the root: the chain proposer's own
+      draft, `depth` deep) and the best other nodes over all depths up to `total_tokens` (ancestors score at
+      least as high as descendants, so it is closed). EAGLE-2 keeps the best nodes alone and drops the chain's
+      deep tokens wherever q is unsure early: its greedy tree accepted less than a chain as deep (README).
     - tree, sampling: a shape fixed before anything is drawn, then filled level by level with draws without
       replacement (each node records the q it was drawn from, for the exact verifier). The j-th draw at a node is
       the child the verifier accepts with chance prod_{i<j} (1 - a_i) a_j, a_j the rate at which a j-th draw was
@@ -836,8 +839,9 @@ class EagleProposer(Proposer):
             out_of[i] = outs[r]
 
     def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        """EAGLE-2 (greedy): expand the top_k best frontier nodes per round; keep the best total_tokens nodes,
-        closed under ancestors, ordered by depth. Sampling: `_sampled_tree`."""
+        """EAGLE-2 (greedy), the greedy chain kept: expand the chain's tip and the top_k - 1 best other frontier
+        nodes per round; keep the chain and the best nodes up to total_tokens, ordered by depth. Sampling:
+        `_sampled_tree`."""
         if not sampling.greedy:
             return self._sampled_tree(ids, sampling)
         draft_ids, K = self.drafter.draft_ids, self.top_k  # [Vd]
@@ -859,13 +863,17 @@ class EagleProposer(Proposer):
             return new
 
         frontier = expand(self.last[None], [-1])
+        chain = [frontier[0]]  # the greedy chain, each node its parent's top-1 child: the chain proposer's draft
         for level in range(1, self.depth):
-            frontier = sorted(frontier, key=lambda i: -scores[i])[:K]
+            frontier = [chain[-1], *sorted((i for i in frontier if i != chain[-1]), key=lambda i: -scores[i])[:K - 1]]
             self._feed(frontier, level, tokens, parents, slot, out_of)
             frontier = expand(torch.stack([out_of[i] for i in frontier]), frontier)
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))[: self.total_tokens],
-                      key=lambda i: (depth[i], i))
-        return kept_tree(keep, tokens, parents, ids.device)
+            chain.append(frontier[0])  # the chain's tip is expanded first
+        keep = chain[: self.total_tokens]
+        taken = set(keep)
+        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))  # closed under ancestors, any prefix
+        keep += [i for i in best if i not in taken][: self.total_tokens - len(keep)]
+        return kept_tree(sorted(keep, key=lambda i: (depth[i], i)), tokens, parents, ids.device)
 
     def shape(self) -> list[int]:
         """The sampled tree's shape from the learnt draw chances alone (the class docstring): parents per node,

@@ -615,6 +615,29 @@ def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
     assert p.cache.get_seq_length() > p.n  # drafted entries sit in the cache until the next accept crops them
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_greedy_tree_holds_the_chains_draft_however_unsure_q_is(layers):
+    """An untrained drafter's q is near uniform, so its best 6 nodes are all within depth 2; the tree still holds
+    the chain proposer's 4 tokens as a path, so a greedy tree accepts at least what a chain as deep would."""
+    m = method(3, draft_ids=torch.arange(0, V, 3), num_layers=layers)
+    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
+    drafts = []
+    for p in (m.proposer(mode="chain", gamma=4), m.proposer(mode="tree", top_k=4, depth=4, total_tokens=6)):
+        p.reset()
+        hidden = torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])
+        p.accept(prompt[0], Verified(None, [], None, hidden))
+        drafts.append(p.propose(prompt[0], Sampling()))
+    chain, tree = drafts
+    assert len(tree) == 6 and tree.depth.max() == 4
+    path, node = [], -1
+    for x in chain.tokens.tolist():  # walk the chain's tokens down the tree
+        node = next(i for i in tree.children(node) if tree.tokens[i] == x)
+        path.append(node)
+    assert len(path) == 4
+
+
 def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_the_targets():
     """Sampling a tree works in the draft vocabulary; each kept node's q is a distribution over the target's
     vocabulary, zero outside the draft's, with the node's token in its support."""

@@ -631,11 +631,9 @@ def test_the_greedy_tree_holds_the_chains_draft_however_unsure_q_is(layers):
         drafts.append(p.propose(prompt[0], Sampling()))
     chain, tree = drafts
     assert len(tree) == 6 and tree.depth.max() == 4
-    path, node = [], -1
-    for x in chain.tokens.tolist():  # walk the chain's tokens down the tree
+    node = -1
+    for x in chain.tokens.tolist():  # down the tree along the chain's tokens (next() fails where a child is missing)
         node = next(i for i in tree.children(node) if tree.tokens[i] == x)
-        path.append(node)
-    assert len(path) == 4
 
 
 def test_a_sampled_tree_draws_in_the_draft_vocabulary_and_records_each_q_over_the_targets():

@@ -870,9 +870,8 @@ class EagleProposer(Proposer):
             frontier = expand(torch.stack([out_of[i] for i in frontier]), frontier)
             chain.append(frontier[0])  # the chain's tip is expanded first
         keep = chain[: self.total_tokens]
-        taken = set(keep)
         best = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))  # closed under ancestors, any prefix
-        keep += [i for i in best if i not in taken][: self.total_tokens - len(keep)]
+        keep += [i for i in best if i not in chain][: self.total_tokens - len(keep)]
         return kept_tree(sorted(keep, key=lambda i: (depth[i], i)), tokens, parents, ids.device)
 
     def shape(self) -> list[int]:

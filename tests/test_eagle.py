@@ -600,16 +600,20 @@ def test_a_trained_drafter_is_accepted_in_chain_and_tree():
         assert torch.equal(spec, text) and stats.tau > 3, (mode, stats.tau)
 
 
+def first_draft(m: Eagle, p: EagleProposer) -> DraftTree:
+    """p's greedy draft after a fixed 6-token prompt, its features from m's target."""
+    prompt = torch.randint(0, V, (6,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = m.target.model(prompt[None, :-1], output_hidden_states=True)
+    p.reset()
+    p.accept(prompt, Verified(None, [], None, torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])))
+    return p.propose(prompt, Sampling())
+
+
 def test_tree_keeps_the_best_total_tokens_nodes_closed_under_ancestors():
     m = method(3)
-    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
     p = m.proposer(mode="tree", top_k=4, depth=4, total_tokens=12)
-    p.reset()
-    with torch.no_grad():
-        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
-    hidden = torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])
-    p.accept(prompt[0], Verified(None, [], None, hidden))
-    tree = p.propose(prompt[0], Sampling())
+    tree = first_draft(m, p)
     assert len(tree) == 12 and tree.depth.max() >= 2
     assert (tree.parents < torch.arange(12)).all()
     assert p.cache.get_seq_length() > p.n  # drafted entries sit in the cache until the next accept crops them
@@ -620,16 +624,8 @@ def test_the_greedy_tree_holds_the_chains_draft_however_unsure_q_is(layers):
     """An untrained drafter's q is near uniform, so its best 6 nodes are all within depth 2; the tree still holds
     the chain proposer's 4 tokens as a path, so a greedy tree accepts at least what a chain as deep would."""
     m = method(3, draft_ids=torch.arange(0, V, 3), num_layers=layers)
-    prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        out = m.target.model(prompt[:, :-1], output_hidden_states=True)
-    drafts = []
-    for p in (m.proposer(mode="chain", gamma=4), m.proposer(mode="tree", top_k=4, depth=4, total_tokens=6)):
-        p.reset()
-        hidden = torch.stack([out.hidden_states[i][0] for i in p.hidden_layers])
-        p.accept(prompt[0], Verified(None, [], None, hidden))
-        drafts.append(p.propose(prompt[0], Sampling()))
-    chain, tree = drafts
+    chain = first_draft(m, m.proposer(mode="chain", gamma=4))
+    tree = first_draft(m, m.proposer(mode="tree", top_k=4, depth=4, total_tokens=6))
     assert len(tree) == 6 and tree.depth.max() == 4
     node = -1
     for x in chain.tokens.tolist():  # down the tree along the chain's tokens (next() fails where a child is missing)

@@ -247,6 +247,27 @@ def test_the_signal_message_is_one_line(tmp_path, capsys):
                          "the same command again (loop.resume=auto)")
 
 
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_launched_rank_that_finished_skips_the_interpreter_teardown(world_size):
+    """A rank of a multi-process launch ends in `cli` once its entry point returns: exit handlers run and it exits
+    0, but no object is torn down with the interpreter (where gloo's threads can abort it); a lone process ends as
+    Python ends."""
+    script = ("import atexit, sys\n"
+              "from draftsmith.train.guard import cli\n"
+              "class Torn:\n"
+              "    def __del__(self): print('torn down', flush=True)\n"
+              "held = Torn()\n"
+              "cli(lambda argv: atexit.register(print, 'exit handler ran', flush=True))\n"
+              "print('after cli', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "WORLD_SIZE": world_size})
+    assert done.returncode == 0, done.stderr
+    launched = world_size != "1"
+    assert ("exit handler ran" in done.stdout, "torn down" in done.stdout, "after cli" in done.stdout) == (
+        True, not launched, not launched), done.stdout
+
+
 # ---- disk ------------------------------------------------------------------------------------------
 
 def test_too_little_free_space_refuses_the_checkpoint_before_writing(tmp_path, monkeypatch):

@@ -353,6 +353,15 @@ class Loop:
         """The frozen target is sharded over the ranks (ZeRO-3 or FSDP2): evaluation runs on every rank in lockstep."""
         return self.zero3 or self.fsdp
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The recipe's mixed precision around forwards. accelerate leaves its autocast off under DeepSpeed, whose
+        bf16/fp16 casts the trainable weights instead: the frozen target's float32 features meet those weights under
+        torch's autocast there."""
+        mp = self.cfg.mixed_precision
+        if self.deepspeed and mp in ("bf16", "fp16"):
+            return torch.autocast(self.accelerator.device.type, {"bf16": torch.bfloat16, "fp16": torch.float16}[mp])
+        return self.accelerator.autocast()
+
     @property
     def backend(self) -> str:
         return "deepspeed" if self.deepspeed else "fsdp2" if self.fsdp else "ddp"
@@ -582,7 +591,7 @@ class Loop:
                     epoch, last_in_epoch, j, batch = next(stream)
                 except StopIteration:
                     return self._finish("max_epochs reached")
-                with acc.accumulate(self.method), acc.autocast():  # syncs (and DeepSpeed steps) on the last
+                with acc.accumulate(self.method), self.autocast():  # syncs (and DeepSpeed steps) on the last
                     loss, metrics = self.method(batch)
                     acc.backward(loss)  # divided by grad_accum by accelerate (by DeepSpeed under DeepSpeed)
                 losses.append(loss.detach())
@@ -669,7 +678,7 @@ class Loop:
             t = time.perf_counter()
             acc = self.accelerator
             self.method.eval()
-            with torch.no_grad(), acc.autocast(), self._evaluation_context(), \
+            with torch.no_grad(), self.autocast(), self._evaluation_context(), \
                     sharded(Shard(acc.process_index, acc.num_processes, self.sharded)):  # training's precision
                 metrics = self.evaluate(self.unwrapped, self.state.step)
             self.method.train()

@@ -247,13 +247,12 @@ def test_the_signal_message_is_one_line(tmp_path, capsys):
                          "the same command again (loop.resume=auto)")
 
 
-
 @pytest.mark.parametrize("world_size", ["1", "2"])
 def test_a_launched_rank_that_finished_skips_the_interpreter_teardown(world_size):
     """A rank of a multi-process launch ends in `cli` once its entry point returns: exit handlers run and it exits
     0, but no object is torn down with the interpreter (where gloo's threads can abort it); a lone process ends as
     Python ends."""
-    script = ("import atexit, sys\n"
+    script = ("import atexit\n"
               "from draftsmith.train.guard import cli\n"
               "class Torn:\n"
               "    def __del__(self): print('torn down', flush=True)\n"

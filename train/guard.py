@@ -42,8 +42,8 @@ class Stopped(KeyboardInterrupt):
 
 
 def cli(main: Callable, argv: list[str] | None = None):
-    """Run an entry point and return what it returns; on an error print `<script>: error: <one line>` and exit 1
-    (the traceback too when DRAFTSMITH_DEBUG=1)."""
+    """Run an entry point and return what it returns (a rank of a multi-process launch ends here: `end_rank`); on
+    an error print `<script>: error: <one line>` and exit 1 (the traceback too when DRAFTSMITH_DEBUG=1)."""
     try:
         result = main(argv)
     except Stopped as e:

@@ -36,7 +36,8 @@ from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.eagle import additive, draft_config
+from draftsmith.models.eagle_config import draft_config
+from draftsmith.models.eagle_drafter import additive
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target
 

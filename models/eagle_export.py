@@ -47,7 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig
 
-from draftsmith.models.eagle import EagleDrafter, load_drafter
+from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
 from draftsmith.models.export import EXPORT_FILE, Format, write_json
 from draftsmith.models.target import target_fields
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
-from draftsmith.models.eagle import EagleDrafter, load_drafter
+from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
 from draftsmith.models.eagle_export import (
     VLLM_IDS,
     _eagle3,

@@ -18,8 +18,8 @@ from draftsmith.models import (
     dflash,
     dflash_export,
     distill,
-    eagle,
     eagle_export,
+    eagle_proposer,
     layerskip,
     medusa,
     medusa_export,
@@ -41,7 +41,7 @@ class Plugin:
 
 METHODS: dict[str, Plugin] = {
     "medusa": Plugin(medusa.load_proposer, medusa_export.FORMATS, medusa.variants),
-    "eagle": Plugin(eagle.load_proposer, eagle_export.FORMATS, eagle.variants),
+    "eagle": Plugin(eagle_proposer.load_proposer, eagle_export.FORMATS, eagle_proposer.variants),
     "p_eagle": Plugin(p_eagle.load_proposer, p_eagle_export.FORMATS, p_eagle.variants),
     "dflash": Plugin(dflash.load_proposer, dflash_export.FORMATS, dflash.variants),
     "distill": Plugin(distill.load_proposer, distill.FORMATS, distill.variants),

@@ -320,7 +320,8 @@ def screen(run: Path, target, rows: list[dict]) -> dict:
 MEMORY_STEP = """
 import ctypes, json, sys, torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-from draftsmith.models.eagle import Eagle, EagleConfig
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.target import Target, load_target
 vocab, chunk, draft, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)

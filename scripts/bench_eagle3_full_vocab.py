@@ -20,7 +20,8 @@ import torch
 
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.models.eagle import EagleDrafter, EagleProposer, load_proposer
+from draftsmith.models.eagle_drafter import EagleDrafter
+from draftsmith.models.eagle_proposer import EagleProposer, load_proposer
 from draftsmith.models.target import load_target
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,19 +17,10 @@ from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, accept_exact
-from draftsmith.models.eagle import (
-    Eagle,
-    EagleConfig,
-    EagleProposer,
-    ForwardKL,
-    additive,
-    aux_layers,
-    default_aux_layers,
-    draft_vocab,
-    later_positions,
-    load_eagle,
-    ttt_attention,
-)
+from draftsmith.models.eagle import Eagle, ForwardKL, draft_vocab, later_positions, load_eagle
+from draftsmith.models.eagle_config import EagleConfig, aux_layers, default_aux_layers
+from draftsmith.models.eagle_drafter import additive, ttt_attention
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C

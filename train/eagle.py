@@ -24,7 +24,8 @@ from draftsmith.data.dataset import DataConfig, build_dataset, cache_key, heldou
 from draftsmith.data.hidden_cache import HiddenCache, collate_features
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
-from draftsmith.models.eagle import Eagle, EagleConfig, aux_layers, draft_vocab
+from draftsmith.models.eagle import Eagle, draft_vocab
+from draftsmith.models.eagle_config import EagleConfig, aux_layers
 from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C

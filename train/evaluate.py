@@ -30,7 +30,7 @@ from draftsmith.data.core import DRAFTER_FILE, read_drafter_meta
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
-from draftsmith.models.eagle import EagleProposer
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.export import EXPORT_FILE
 from draftsmith.models.layerskip import early_exit
 from draftsmith.models.medusa import MedusaProposer, chain_choices

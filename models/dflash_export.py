@@ -21,12 +21,12 @@ them. draftsmith_export.json records the conventions.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
+from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.dflash import DFlashDrafter, load_drafter
 from draftsmith.models.export import Format, vllm_parallel_drafting_token_id, write_json
 
@@ -80,7 +80,7 @@ def engine_layers(config: dict) -> list[int]:
 
 def load(path: Path) -> tuple[DFlashDrafter, dict]:
     """The engine's reading: layer ids, mask token, bidirectional block attention, then the tensors."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_file(path / "config.json", REDO_EXPORT)
     side = path / SIDE_FILE
     dflash = cfg.get("dflash_config") or {}
     if dflash.get("causal") or "sliding_attention" in (cfg.get("layer_types") or []) or dflash.get("use_swa"):
@@ -91,10 +91,10 @@ def load(path: Path) -> tuple[DFlashDrafter, dict]:
     config = LlamaConfig(**{k: cfg[k] for k in LAYER_FIELDS}, num_hidden_layers=cfg["num_hidden_layers"],
                          rope_parameters=rope, tie_word_embeddings=False)
     drafter = DFlashDrafter(config, len(layers))
-    drafter.load_state_dict(load_file(path / WEIGHTS_FILE))
+    drafter.load_state_dict(read_file(path / WEIGHTS_FILE, REDO_EXPORT))
     meta = {"method": "dflash", "aux_layers": layers, "block_size": cfg["block_size"],
             "mask_token_id": vllm_parallel_drafting_token_id(cfg),
-            "target": json.loads(side.read_text())["target"] if side.is_file() else ""}
+            "target": read_file(side, REDO_EXPORT)["target"] if side.is_file() else ""}
     return drafter.eval(), meta
 
 

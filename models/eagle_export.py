@@ -39,14 +39,14 @@ the convention of each id field. Each loader reads a directory the way its engin
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
+from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
 from draftsmith.models.export import EXPORT_FILE, Format, write_json
 from draftsmith.models.target import target_fields
@@ -207,8 +207,8 @@ def write_speculators(drafter_dir: Path, tmp: Path, final: Path) -> None:
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor], dict]:
     """config.json, the tensors and the side file (empty when absent)."""
     side = path / SIDE_FILE
-    return (json.loads((path / "config.json").read_text()), load_file(path / WEIGHTS_FILE),
-            json.loads(side.read_text()) if side.is_file() else {})
+    return (read_file(path / "config.json", REDO_EXPORT), read_file(path / WEIGHTS_FILE, REDO_EXPORT),
+            read_file(side, REDO_EXPORT) if side.is_file() else {})
 
 
 def _layer_config(fields: dict) -> LlamaConfig:

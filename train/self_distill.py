@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import read_file
 from draftsmith.data.prompts import build_prompts, build_text_prompts
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.regenerate import complete, read_done, regenerate_batch
@@ -51,12 +52,12 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
             if r["split"] == "heldout":
                 prompt = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"][:-1]}
                 fh.write(json.dumps({"id": r["id"], "kind": r["kind"], **prompt}, ensure_ascii=False) + "\n")
-    prompts = [json.loads(line) for line in open(work / "prompts.jsonl")]
-    timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").is_file() else {}
+    prompts = read_file(work / "prompts.jsonl", f"delete {work} and run again")
+    timing = read_file(work / "timing.json", f"delete {work} and run again") if (work / "timing.json").is_file() else {}
     settings = {**settings, "answered": counts, "prompts": {
         "train": sum(p["split"] == "train" for p in prompts), "heldout": sum(p["split"] == "heldout" for p in prompts)},
         "regeneration_seconds": round(timing.get("seconds", 0.0)),
-        "target_provenance": json.loads((target_dir / "provenance.json").read_text())
+        "target_provenance": read_file(target_dir / "provenance.json", "build the target again")
         if (target_dir / "provenance.json").is_file() else None}
     (out / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     return settings
@@ -77,7 +78,7 @@ def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
         for p in parts:
             with gzip.open(p, "rt", encoding="utf-8") as src:
                 fh.writelines(src)
-    settings = json.loads((out / "settings.json").read_text())
+    settings = read_file(out / "settings.json", f"delete {out} and regenerate the data")
     timing.write_text(json.dumps({"seconds": settings.get("regeneration_seconds", 0.0)}))
     log.info("self_distill: resuming from the %s answers committed in %s", sum(settings["answered"].values()), out)
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     if not prompts_file.is_file():
         rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    rows = [json.loads(line) for line in open(prompts_file)]
+    rows = read_file(prompts_file, f"delete {prompts_file} and run again")
     answers = work / "answers.jsonl"
     if not answers.is_file():
         seed_from_committed(out, answers, work / "timing.json")
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     timing_file = work / "timing.json"
-    spent = json.loads(timing_file.read_text())["seconds"] if timing_file.is_file() else 0.0
+    spent = read_file(timing_file, f"delete {timing_file} and run again")["seconds"] if timing_file.is_file() else 0.0
     with open(answers, "a") as fh:
         for b in range(0, len(todo), args.batch_size):
             t0 = time.perf_counter()

@@ -60,13 +60,14 @@ class PEagle(Eagle):
         self.drafter.mask_hidden = nn.Parameter(torch.randn(1, n_features, device=self.drafter.fc.weight.device,
                                                             dtype=self.drafter.fc.weight.dtype) * 0.02)
 
-    def step_input(self, k: int, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 0 as EAGLE-3; steps k >= 1 read e(ptd) [b, s, H] and mask_hidden [b, s, 3H] (fc maps it to H)."""
+    def step_input(self, k: int, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 0 as EAGLE-3; steps k >= 1 read e(ptd) [b, s, H] and mask_hidden (None: the drafter reads it in its
+        forward, fc maps it to H)."""
         if k == 0:
             return emb, h
         b, s, _ = emb.shape
         ptd = self.target.embed(torch.tensor([self.ptd_token_id], device=emb.device)).to(emb.dtype)  # [1, H]
-        return ptd.expand(b, s, -1), self.drafter.mask_hidden.to(emb.dtype).expand(b, s, -1)
+        return ptd.expand(b, s, -1), None
 
     def proposer(self, target=None, **kwargs) -> PEagleProposer:
         return PEagleProposer(self.drafter, self.target.embed, self.target.lm_head, self.layers, self.ptd_token_id,

@@ -259,11 +259,7 @@ class Loop(Checkpoints):
 
     def _evaluation_context(self):
         """FSDP2 gathers a wrapped layer's parameters in that layer's forward, but the root's own (the target's
-        embeddings and LM head, drafter heads) only in the root's forward, which evaluation bypasses: gather them.
-        ZeRO-3 gathers a module's parameters in its own forward only, and a proposer may read one outside it
-        (P-EAGLE's mask_hidden): the trainable parameters stay whole through the evaluation."""
-        if self.zero3:
-            return self._whole_trainable()
+        embeddings and LM head, drafter heads) only in the root's forward, which evaluation bypasses: gather them."""
         return _unsharded(self.method) if self.fsdp else contextlib.nullcontext()
 
     def _update_best(self, metrics: dict) -> bool:

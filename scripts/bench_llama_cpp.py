@@ -74,13 +74,14 @@ def ours(model, drafter: Path, prompts: list[torch.Tensor], max_new: int, gamma:
     proposer = R.load_proposer(str(drafter), model, gamma=gamma)
     out = {}
     for t in temperatures:
-        stats = DecodeStats()
+        stats, outputs = DecodeStats(), []
         for i, x in enumerate(prompts):
-            speculative_generate(model, proposer, x, max_new,
-                                 Sampling(t, generator=torch.Generator().manual_seed(i)), stats=stats)
+            y, _ = speculative_generate(model, proposer, x, max_new,
+                                        Sampling(t, generator=torch.Generator().manual_seed(i)), stats=stats)
+            outputs.append(y[0, x.shape[1]:].tolist())
         out[f"{t:g}"] = {"tau": stats.tau, "acceptance_by_position": stats.acceptance_by_position(),
                          "accepted_at_by_step": [stats.passed[k] / max(1, stats.steps) for k in range(1, gamma + 1)],
-                         "steps": stats.steps, "new_tokens": stats.new_tokens}
+                         "steps": stats.steps, "new_tokens": stats.new_tokens, "outputs": outputs}
     return out
 
 
@@ -197,6 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
                 r = runs[name][f"{args.temperatures[0]:g}"]
                 print(f"{p} {name}: {r['tokens_per_s']:.1f} tok/s, accept len {r['acceptance_length']}, "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
+    for by_t in results["ours"].values():  # same target, same prompt ids: greedy text should agree across engines
+        if "0" in by_t and "f32" in results["llama_cpp"]:
+            by_t["0"]["greedy_equals_llama_cpp_f32_plain"] = [
+                a == b for a, b in zip(by_t["0"]["outputs"], results["llama_cpp"]["f32"]["plain"]["0"]["outputs"],
+                                       strict=True)]
     results["settings"]["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -79,7 +80,7 @@ def test_the_eagle3_gguf_reads_the_trained_layers_with_fc_blocks_in_the_same_ord
     g = llama_cpp.gguf_py()
     fc = next(t for t in g.GGUFReader(out / llama_cpp.GGUF_FILE).tensors
               if t.name == g.TENSOR_NAMES[g.MODEL_TENSOR.FC] + ".weight")
-    trained = Eagle.from_pretrained(tmp_path / "run", target).drafter.fc.weight.detach()  # [H, 3H], blocks as AUX
+    trained = load_file(tmp_path / "run" / "eagle.safetensors")["fc.weight"]  # [H, 3H], blocks in AUX's order
     blocks = trained.unflatten(1, (3, -1))  # [H, 3, H]
     served = torch.from_numpy(np.array(fc.data)).reshape(trained.shape).unflatten(1, (3, -1))
     for k, layer in enumerate(sorted(AUX)):  # slot k of the GGUF's fc reads layer target_layers[k]
@@ -98,8 +99,8 @@ def test_a_tiny_target_converts_in_f32_and_f16(target, tmp_path):
         assert not list(tmp_path.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("kw, match", [({"num_layers": 2}, "one drafter layer"), ({"version": 1, "aux_layers": []},
-                                                                                   "EAGLE-3 only")])
+@pytest.mark.parametrize("kw, match", [({"num_layers": 2}, "one drafter layer"), ({"fc_norm": True}, "per fused layer"),
+                                       ({"version": 1, "aux_layers": []}, "EAGLE-3")])
 def test_what_llama_cpp_cannot_serve_is_refused_in_one_line_naming_the_format_that_can(kw, match, target, tmp_path):
     with pytest.raises(ValueError, match=match) as e:
         R.export(drafter_dir(target, tmp_path / "run", **kw), "gguf", tmp_path / "gguf")
@@ -119,15 +120,13 @@ def test_without_llama_cpp_the_gguf_export_says_how_to_get_it(target, tmp_path, 
 @pytest.mark.slow
 @NEEDS_SERVER
 def test_served_by_llama_server_the_drafter_leaves_greedy_output_unchanged(target, tmp_path):
-    from draftsmith.models.llama_server import Server
-
     model = llama_cpp.convert(target.path, tmp_path / "target.gguf", "f32")
     draft = R.export(drafter_dir(target, tmp_path / "run"), "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
     prompts = [[1, *torch.randint(3, 280, (12,), generator=torch.Generator().manual_seed(i)).tolist()]
                for i in range(4)]
-    with Server(model, threads=2) as plain:
+    with llama_cpp.Server(model, threads=2) as plain:
         want = [plain.complete(p, 24, temperature=0.0)["tokens"] for p in prompts]
-    with Server(model, ["--spec-type", "draft-eagle3", "-md", str(draft), "--spec-draft-n-max", "3"],
+    with llama_cpp.Server(model, ["--spec-type", "draft-eagle3", "-md", str(draft), "--spec-draft-n-max", "3"],
                 threads=2) as spec:
         runs = [spec.complete(p, 24, temperature=0.0) for p in prompts]
     assert [r["tokens"] for r in runs] == want

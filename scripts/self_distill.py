@@ -4,7 +4,8 @@
     python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 """
 
+from draftsmith.train.guard import cli
 from draftsmith.train.self_distill import main
 
 if __name__ == "__main__":
-    main()
+    cli(main)

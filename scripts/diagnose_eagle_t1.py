@@ -19,7 +19,7 @@ from draftsmith.data.core import collate, find_drafter
 from draftsmith.data.dataset import DataConfig, heldout_rows
 from draftsmith.models.eagle import Eagle, load_eagle
 from draftsmith.models.target import REFERENCE_TARGET, load_target
-from draftsmith.train.eagle import heldout_metrics
+from draftsmith.train.eagle import heldout_batches, heldout_metrics
 
 HELDOUT = "data/regenerated/reference-target/heldout_t1.jsonl.gz"
 TEMPERATURES = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
@@ -29,11 +29,11 @@ STEPS = 5
 def calibration(m: Eagle, rows: list[dict]) -> dict:
     """Expected tau at T=1 and accept_k with the draft logits divided by t."""
     logits = m.drafter.logits
-    out = {}
+    out, batches = {}, heldout_batches(m, rows)
     try:
         for t in TEMPERATURES:
             m.drafter.logits = lambda o, head, t=t: logits(o, head) / t
-            r = heldout_metrics(m, rows, STEPS)
+            r = heldout_metrics(m, batches, STEPS)
             out[str(t)] = {"expected_tau_t1": round(r["expected_tau_t1"], 4),
                            "accept": [round(r[f"heldout_accept_{k}"], 4) for k in range(STEPS)]}
             print(f"  t={t}: expected tau T=1 {r['expected_tau_t1']:.3f}", flush=True)

@@ -12,6 +12,7 @@ import torch
 from conftest import chi2_two_tokens, randomise, script, train_steps
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data.core import collate
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
@@ -740,6 +741,23 @@ def run_recipe(entry: str, recipe: str, target: Path, out: Path, *extra: str):
                                "data.limit=40", "data.max_length=160", "data.cache=false", "eval.heldout_examples=12",
                                "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2", "loop.log_every=1",
                                "loop.max_steps=4", "loop.save_every=2", "loop.lr=3e-3", *extra])
+
+
+@pytest.mark.parametrize("version,draft_ids", [(1, None), (3, torch.arange(0, V, 3))])
+def test_heldout_metrics_from_kept_target_features_equal_those_from_target_forwards(version, draft_ids):
+    """The checkpoint evaluation runs the target over the held-out rows once (`heldout_batches`); every later
+    evaluation's metrics equal those of running the target again."""
+    entry, m = script("train/eagle.py"), method(version, 3, draft_ids)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+            for n in (14, 9, 12, 7, 10)]  # ragged: padded batches
+    online = entry.heldout_metrics(m, [collate(rows[i: i + 2]) for i in range(0, len(rows), 2)], 4)
+    batches = entry.heldout_batches(m, rows, batch_size=2)
+    assert {"hidden", "aux", "log_z", "greedy"} & set(batches[0]) == ({"hidden"} if version == 1 else
+                                                                       {"hidden", "aux", "log_z", "greedy"})
+    kept = entry.heldout_metrics(m, batches, 4)
+    assert kept.keys() == online.keys() and "heldout_cond_acc_3" in kept
+    assert kept == pytest.approx(online, abs=1e-5)
 
 
 def test_shipped_recipes_parse():

@@ -1,4 +1,4 @@
-"""Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma (issue #19).
+"""Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma.
 
     python scripts/bench_perf.py [--sections verify eval adaptive profile] [--medusa runs/medusa1-tiny-code/best]
         [--eagle DIR] [--drafters NAME ...] [--repeats N] [--cut] [--compile] [--out benchmarks/perf.json]

@@ -676,7 +676,7 @@ def test_a_sampled_tree_is_shaped_by_each_draws_chance_of_acceptance():
 
 def test_a_sampled_tree_keeps_the_targets_distribution_where_a_q_scored_one_did_not():
     """The first token out of a sampled tree, drawn many times from a fixed q against a fixed p: chi-square
-    against p. Scoring a later draw by its own q (EAGLE-2's way, this tree's before stop 46) kept the root's
+    against p. Scoring a later draw by its own q (EAGLE-2's way) kept the root's
     second draw when it was the likelier of the two tokens left and dropped it when it was the rarer one; that
     skewed the output (token 0 came out at 0.20 against p's 0.32, chi-square 125 over 2,000 draws here)."""
     q, p = torch.tensor([0.031, 0.07, 0.899]), torch.tensor([0.316, 0.674, 0.01])

@@ -84,7 +84,7 @@ def continue_batch(model, tokenizer, batch: list[dict], temperature: float, max_
 
 
 def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
-    """Start a fresh work directory from data already finalized into `out` (a later session resumes there)."""
+    """Start a fresh work directory from data already finalized into `out` (a later run resumes there)."""
     parts = [out / f"{split}.jsonl.gz" for split in ("heldout", "train")]
     if not all(p.is_file() for p in parts):
         return

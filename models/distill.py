@@ -45,6 +45,7 @@ from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
 from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce, masked_mean
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, target_fields
 
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
@@ -219,7 +220,7 @@ def sample_on_policy(draft: nn.Module, prompts: list[torch.Tensor], max_new_toke
 
 # ---- the method --------------------------------------------------------------------------------------
 
-class Distill(nn.Module):
+class Distill(MethodBase):
     """The training method: the draft learns the target's next-token distributions (target frozen)."""
 
     def __init__(self, target: Target, draft: nn.Module, cfg: DistillConfig):

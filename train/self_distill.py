@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.prompts import build_prompts, build_text_prompts
 from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import cli
 from draftsmith.train.regenerate import complete, read_done, regenerate_batch
 
 log = logging.getLogger("draftsmith.self_distill")
@@ -147,4 +148,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -297,12 +297,12 @@ def damaged_export(d: Path) -> dict:
         raise RuntimeError(f"set-up export failed: {message(e['output'])}")
     cut(d / "export" / "medusa_lm_head.safetensors")
     return command([PY, "scripts/evaluate.py", "--drafter", str(d / "export"), "--num-prompts", "1",
-                    "--max-new-tokens", "8"])
+                    "--max-new-tokens", "8", "--out", str(d / "evaluate.json")])
 
 
 def bad_recipe(d: Path) -> dict:
     f = d.parent / f"{d.name}.yaml"
-    f.write_text("loop:\n  max_steps: 2\n  lr: [1e-3,\n  batch_size: 2\n")
+    f.write_text("loop:\n  max_steps: 2\n  lr: 1e-3: x\n")
     return command(train_cmd("--config", str(f), f"loop.output_dir={d}"))
 
 
@@ -389,7 +389,7 @@ def cases() -> list[Case]:
         Case("evaluate_export_truncated", "damaged file", "evaluate a Medusa export whose weights are cut",
              damaged_export, r"medusa_lm_head.safetensors is truncated .*; export the run again"),
         Case("recipe_bad_yaml", "config", "--config a recipe whose 3rd line does not parse", bad_recipe,
-             r"\.yaml:4: not valid YAML \(expected ',' or '\]', but got '<block mapping start>'\)",
+             r"\.yaml:3: not valid YAML \(mapping values are not allowed here\); fix the recipe",
              expect_disk=lambda d: not d.exists()),
         Case("target_pickle_with_code", "target", "target.path=a model whose pytorch_model.bin pickles a shell command",
              pickled_target, r"pytorch_model\*\.bin holds pickled code, not only tensors, and was refused"),

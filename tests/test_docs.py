@@ -59,6 +59,28 @@ def test_the_readme_stays_short():
     assert len((REPO / "README.md").read_text().splitlines()) <= 400
 
 
+def expand(name: str) -> list[str]:
+    """`leaderboard_{tau,acceptance}.png` -> its names."""
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [n for part in m.group(1).split(",") for n in expand(name[:m.start()] + part + name[m.end():])]
+
+
+def test_every_cited_benchmark_file_exists_or_is_pending():
+    """A result file the docs cite is in benchmarks/, or its line says it is pending."""
+    index = REPO / "benchmarks" / "README.md"
+    missing = []
+    for doc in [*DOCS, index]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            names = re.findall(r"benchmarks/([\w{},.-]+\.(?:json|md|png))", line)
+            if doc == index and line.startswith("| `"):
+                names += re.findall(r"`([\w{},.-]+\.(?:json|md|png))`", line.split(" | ")[0])
+            missing += [f"{doc.name}:{n}: {name}" for cited in names for name in expand(cited)
+                        if not (REPO / "benchmarks" / name).is_file() and "pending" not in line]
+    assert not missing, "cited but not in benchmarks/:\n" + "\n".join(missing)
+
+
 # ---- (b) the commands the docs write --------------------------------------------------------------------
 
 FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)

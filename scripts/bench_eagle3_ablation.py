@@ -7,7 +7,7 @@ the same data for the same wall-clock budget; and EAGLE-3's peak training memory
 
 Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides (the `d_` ones: one factor
 at a time from the shipped EAGLE-3 default; the `e3_frozen` ones from the default of stop 23), trained by
-scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
+`draftsmith bench`'s `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
 lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
 end (its drafter is what is measured). With `--concurrent N`, N variants train at once with one thread each,
 so that the variants of a group share the cores equally for the same wall-clock budget (N = 4 on 2 cores and a

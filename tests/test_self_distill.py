@@ -1,4 +1,4 @@
-"""Self-distilled data for real targets: the prompt builder and scripts/self_distill.py end to end (tiny target)."""
+"""Self-distilled data for real targets: the prompt builder and `draftsmith self-distill` end to end (tiny target)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     accelerate launch train/eagle3.py --config recipes/eagle3/tiny-code.yaml [key=value ...]
 
 The target stays frozen. Its features come from a forward in the loop (online) or from a cache
-written by scripts/cache_hidden_states.py (`offline.path`, offline); the EAGLE-3 draft vocabulary
+written by `draftsmith cache` (`offline.path`, offline); the EAGLE-3 draft vocabulary
 is built once from the loss-masked training tokens and kept in the checkpoint. At every checkpoint
 the held-out rows give per-step loss, top-1 accuracy and the conditional acceptance decoding sees
 (`cond_acc_k`, whose running product predicts tau), and tau is measured by real speculative
@@ -36,7 +36,7 @@ from draftsmith.train.loop import Loop, collate
 
 @dataclasses.dataclass
 class OfflineConfig:
-    path: str = ""  # a hidden-state cache from scripts/cache_hidden_states.py; empty: run the target online
+    path: str = ""  # a hidden-state cache from `draftsmith cache`; empty: run the target online
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ def offline_rows(cfg: Recipe, target) -> HiddenCache:
     written = cache.manifest["meta"].get("data_key")
     if written != cache_key(cfg.data, target.tokenizer):
         raise ValueError(f"offline.path={cfg.offline.path} was written from other data than this recipe's `data` "
-                         "section; rewrite it with scripts/cache_hidden_states.py and this recipe")
+                         "section; rewrite it with draftsmith cache and this recipe")
     return cache
 
 

@@ -253,6 +253,9 @@ class Loop(Checkpoints):
         """Fraction of the run done (see `run_progress`); method schedules such as Medusa-2's head warm-up read it."""
         return run_progress(self.cfg, self.state.step, self.spent_seconds)
 
+    def _permille(self) -> int:
+        return round(1000 * self.progress)
+
     @property
     def unwrapped(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.method)
@@ -309,7 +312,11 @@ class Loop(Checkpoints):
     def run(self) -> LoopState:
         """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;
         the lock on the run directory is released however it ends."""
-        self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, dynamic_ncols=True, leave=False,
+        # under loop.max_minutes the bar counts the run's progress in permille of whichever budget binds (`progress`),
+        # so its ETA is the time or step budget's, not max_steps' alone
+        total, done = (1000, self._permille()) if self.cfg.max_minutes else (self.cfg.max_steps, self.state.step)
+        self.bar = tqdm(total=total, initial=done, dynamic_ncols=True, leave=False,
+                        bar_format="{l_bar}{bar}| {elapsed}<{remaining}{postfix}" if self.cfg.max_minutes else None,
                         disable=not self.accelerator.is_main_process)
         self.started, self.eval_seconds = time.perf_counter(), 0.0  # for eval_share
         try:
@@ -356,8 +363,9 @@ class Loop(Checkpoints):
             if cfg.max_minutes:
                 self.spent_seconds = self._slowest_rank_seconds()
             self.scheduler.step()
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            self.bar.update(self._permille() - self.bar.n if cfg.max_minutes else 1)
+            self.bar.set_postfix(step=self.state.step, loss=f"{loss.item():.3f}",
+                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             window.setdefault("loss", []).append(loss.item())
             for k, v in metrics_step.items():
                 window.setdefault(k, []).append(v)

@@ -1,8 +1,8 @@
 """Self-distilled data for a real target: build diverse prompts, let the target answer them, commit the result.
 
-    python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
-    python scripts/self_distill.py --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
-    python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
+    draftsmith self-distill --target smollm2-135m-instruct            # resumable; rerun to continue
+    draftsmith self-distill --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
+    draftsmith self-distill --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                              "max_new_tokens": args.max_new_tokens, "seed": args.seed},
                 "batch_size": args.batch_size,
-                "command": "python scripts/self_distill.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                                         if a != "--finalize")}
+                "command": "draftsmith self-distill " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                                          if a != "--finalize")}
     if args.finalize:
         print(json.dumps(finalize(work, out, target_dir, settings), indent=1))
         return

@@ -44,6 +44,7 @@ from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_m
 from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, truncated_copy
 from draftsmith.models.export import Format
+from draftsmith.models.llama_cpp import gguf_format
 from draftsmith.models.lm import masked_ce, masked_mean
 from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, target_fields
@@ -324,10 +325,12 @@ def load_hf(path: Path) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
+HF = Format(write_hf, load_hf, "plain HF model dir: generate(assistant_model=...)")
 FORMATS = {
-    "hf": Format(write_hf, load_hf, "plain HF model dir: generate(assistant_model=...)"),
+    "hf": HF,
     "vllm": Format(write_hf, load_hf, "plain HF model dir: vLLM --speculative-config "
                                       "'{\"model\": DIR, \"num_speculative_tokens\": gamma}'"),
+    "gguf": gguf_format(HF, "draft-simple", with_target=False),
 }
 
 

@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.data.core import ConfigError, write_drafter_meta
 from draftsmith.models.eagle_config import EagleConfig, aux_layers, draft_config
-from draftsmith.models.eagle_drafter import CONFIG_FILE, WEIGHTS_FILE, EagleDrafter, load_drafter
+from draftsmith.models.eagle_drafter import CONFIG_FILE, WEIGHTS_FILE, EagleDrafter, TTTPast, load_drafter
 from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.method import MethodBase
@@ -280,7 +280,7 @@ class Eagle(MethodBase):
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        past: list[list] = [[] for _ in range(cfg.num_layers)]  # per layer, each step's keys and values
+        past = [TTTPast() for _ in range(cfg.num_layers)]  # per layer, each step's keys and values
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g), which the regressions below read too
             h = d.fuse(g)  # [b, s, H]

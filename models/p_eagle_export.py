@@ -11,8 +11,8 @@ vllm   vLLM's parallel drafting (`--speculative-config '{"method": "eagle3", "mo
        The layers are written in increasing order with fc's input blocks permuted to match, so mask_hidden's
        three blocks are permuted the same way.
 
-SGLang has no parallel-drafting EAGLE (sglang issue 23171) and speculators no released P-EAGLE format
-(speculators RFC 292), so vllm is the one format.
+SGLang has no parallel-drafting EAGLE (https://github.com/sgl-project/sglang/issues/23171) and speculators
+no released P-EAGLE format (speculators RFC 292), so vllm is the one format.
 """
 
 from __future__ import annotations

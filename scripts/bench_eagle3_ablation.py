@@ -57,7 +57,7 @@ from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import bench
 from draftsmith.train.config import shipped
-from draftsmith.train.eagle import heldout_metrics
+from draftsmith.train.eagle import heldout_batches, heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,7 +117,8 @@ def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> 
 def screen(run: Path, target, rows: list[dict]) -> dict:
     """The drafter's held-out per-step top-1 agreement and temperature-1 acceptance, and the chain tau they predict."""
     with torch.no_grad():
-        m = heldout_metrics(load_eagle(find_drafter(run), target).eval(), rows, SCREEN_STEPS)
+        method = load_eagle(find_drafter(run), target).eval()
+        m = heldout_metrics(method, heldout_batches(method, rows), SCREEN_STEPS)
     out = {"expected_tau": round(m["expected_tau"], 4), "expected_tau_t1": round(m["expected_tau_t1"], 4),
            **{name: [round(m[f"heldout_{name}_{k}"], 4) for k in range(SCREEN_STEPS)] for name in ("acc", "accept")}}
     print(f"  expected tau T=0 {out['expected_tau']:.3f}, T=1 {out['expected_tau_t1']:.3f}", flush=True)

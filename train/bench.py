@@ -65,7 +65,14 @@ import yaml
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.data.core import best_record, checkpoints, find_drafter, has_drafter, read_drafter_meta
+from draftsmith.data.core import (
+    best_record,
+    checkpoints,
+    find_drafter,
+    has_drafter,
+    read_drafter_meta,
+    read_file,
+)
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.bench import BASELINES, TEMPERATURES, Drafting, evaluate_variants
 from draftsmith.decoding.cost import drafting_cost, relative, verify_cost_curve
@@ -177,11 +184,11 @@ def training_record(run: Path, drafter_dir: Path, curve: str) -> dict:
 def last_state(run: Path) -> dict:
     """The loop state of the run's last checkpoint ({} without one)."""
     ckpts = [c / "state.json" for c in checkpoints(run) if (c / "state.json").is_file()]
-    return json.loads(ckpts[-1].read_text()) if ckpts else {}
+    return read_file(ckpts[-1], f"delete {ckpts[-1].parent} (a damaged checkpoint) and run again") if ckpts else {}
 
 
 def run_config(run: Path) -> dict | None:
-    return yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else None
+    return read_file(run / "config.yaml", f"delete {run} and run again") if (run / "config.yaml").is_file() else None
 
 
 def tokens_seen(config: dict | None, state: dict) -> int | None:
@@ -411,7 +418,7 @@ def merged(board: dict, out: Path) -> dict:
     """`board`'s methods over those of the leaderboard already at `out`, which must share its settings."""
     if not out.is_file():
         return board
-    old = json.loads(out.read_text())
+    old = read_file(out, "run without --merge")
     differ = [k for k in SAME if _portable(old["settings"].get(k)) != _portable(board["settings"][k])]
     if differ:
         raise SystemExit(f"--merge: {out} was measured with other {', '.join(differ)}; run without --merge")

@@ -3,7 +3,8 @@
     draftsmith train METHOD [RECIPE] [key=value ...]    # in this process; RECIPE: a shipped name or a YAML file
     draftsmith train medusa medusa2-tiny-code loop.max_steps=10 loop.output_dir=runs/m2
     draftsmith evaluate --drafter RUN/best [...]        # tau, acceptance by position, speedup
-    draftsmith export RUN --format FORMAT --out DIR     # a serving engine's format
+    draftsmith export RUN --format FORMAT --out DIR     # a serving engine's format (gguf: llama.cpp)
+    draftsmith llama-cpp [--build]                      # where llama.cpp is, or build it once into the cache
     draftsmith bench [...]                              # the leaderboard
     draftsmith cache --config RECIPE --out DIR          # EAGLE's offline hidden-state cache
     draftsmith regenerate --target DIR --out FILE       # the target's own answers as training data
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from draftsmith.models import llama_cpp
 from draftsmith.recipes import RECIPES
 from draftsmith.train import bench, cache, evaluate, export, gpu_check, regenerate, self_distill
 from draftsmith.train.entries import TRAIN
@@ -28,7 +30,7 @@ from draftsmith.train.guard import cli
 
 COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.main, "bench": bench.main,
                                  "cache": cache.main, "regenerate": regenerate.main, "self-distill": self_distill.main,
-                                 "gpu-check": gpu_check.main}
+                                 "gpu-check": gpu_check.main, "llama-cpp": llama_cpp.main}
 
 
 def recipe_path(method: str, recipe: str) -> Path:

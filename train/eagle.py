@@ -15,6 +15,7 @@ the best checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -65,13 +66,35 @@ class Recipe(C.DrafterRecipe):
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
-def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int = 8) -> dict[str, float]:
-    """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches) for `steps` unrolled
-    steps (the chain length, also beyond the steps trained), `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
-    the greedy chain's tau they predict, and `expected_tau_t1` the same from accept_k, the chain's at temperature 1."""
+@torch.no_grad()
+def heldout_batches(method: Eagle, rows: list[dict], batch_size: int = 8) -> list[dict]:
+    """Held-out rows collated in batches with what the frozen target gives them, computed once: its features
+    (`hidden`, `aux`) and for EAGLE-3 its teacher's whole-vocabulary log-normaliser and argmax (`log_z`, `greedy`),
+    the keys of an offline cache (data/hidden_cache.py). Each checkpoint's held-out pass then runs the drafter alone."""
     device = method.drafter.fc.weight.device
-    per_batch = [method.ttt({k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}, steps)[1]
-                 for i in range(0, len(rows), batch_size)]
+    out = []
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
+        f, g = method.features(batch)  # [b, s, H], [b, s, n*H]
+        batch["hidden"] = f
+        if method.cfg.version == 3:
+            batch["aux"] = g
+            log_z, greedy = [], []
+            for x in f.split(method.cfg.logit_chunk or f.shape[1], 1):  # [b, c, V] logits at a time, as the teacher
+                z = method.target.logits(x.to(method.target.lm_head.weight.dtype)).float()
+                log_z.append(z.logsumexp(-1))
+                greedy.append(z.argmax(-1))
+            batch["log_z"], batch["greedy"] = torch.cat(log_z, 1), torch.cat(greedy, 1)  # [b, s] each
+        out.append(batch)
+    return out
+
+
+def heldout_metrics(method: Eagle, batches: list[dict], steps: int) -> dict[str, float]:
+    """Per-step held-out loss, accuracy and conditional acceptance (averaged over `heldout_batches`) for `steps`
+    unrolled steps (the chain length, also beyond the steps trained), `expected_tau` = 1 + sum_k prod_{i<=k}
+    cond_acc_i, the greedy chain's tau they predict, and `expected_tau_t1` the same from accept_k, the chain's at
+    temperature 1."""
+    per_batch = [method.ttt(batch, steps)[1] for batch in batches]
     means = {k: sum(m[k] for m in per_batch) / len(per_batch) for k in per_batch[0]}
 
     def tau(name: str) -> float:
@@ -106,12 +129,16 @@ def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
     return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) if cfg.eagle.version == 3 else None
 
 
-def evaluator(cfg: Recipe, target, method: Eagle, heldout: list[dict]):
-    """Held-out per-step acceptance (`heldout_metrics`) and tau by real decoding, at every checkpoint."""
+def checkpoint_evaluator(cfg: Recipe, target, heldout: list[dict]) -> Callable[[Eagle, int], dict]:
+    """The loop's `evaluate(method, step)`: the held-out metrics (the target's part of them computed at the first
+    call and kept, `heldout_batches`) and tau by real decoding of eval.num_prompts prompts."""
     decode = decoder(cfg, target.model, target.tokenizer, proposer_kwargs=cfg.eval.proposer_kwargs())
+    batches: list[dict] = []
 
     def evaluate(m: Eagle, step: int) -> dict:
-        metrics = heldout_metrics(m, heldout, cfg.eval.gamma)
+        if not batches:
+            batches.extend(heldout_batches(m, heldout))
+        metrics = heldout_metrics(m, batches, cfg.eval.gamma)
         if decode is not None:
             metrics.update(decode(m, step))
             print(f"step {step}: tau={metrics['tau']:.3f} (expected from cond_acc {metrics['expected_tau']:.3f}; "
@@ -126,7 +153,8 @@ def spec(default_recipe: Path, doc: str, recipe: type = Recipe, build=None) -> S
     method` let a variant of the method (train/p_eagle.py) reuse it."""
     return Spec(recipe, default_recipe, doc,
                 build=build or (lambda cfg, target, train: Eagle(target, cfg.eagle, draft_ids(cfg, target, train))),
-                evaluator=evaluator, metric_names=lambda cfg, target: metric_names(cfg),
+                evaluator=lambda cfg, target, method, heldout: checkpoint_evaluator(cfg, target, heldout),
+                metric_names=lambda cfg, target: metric_names(cfg),
                 data=lambda cfg, target: offline_rows(cfg, target) if cfg.offline.path
                 else build_dataset(cfg.data, target.tokenizer),
                 collate=lambda cfg: collate_features if cfg.offline.path else collate)

@@ -13,7 +13,8 @@
     draftsmith COMMAND --help                           # a command's options
 
 METHOD is one of train/entries.py's TRAIN (the registry's training entries and `target`); with no RECIPE it trains
-on the method's default recipe (the embedded reference target). On many GPUs, launch the same entry script with accelerate: `accelerate launch train/METHOD.py`.
+on the method's default recipe (the embedded reference target). On many GPUs, launch the same entry script with
+accelerate: `accelerate launch train/METHOD.py`.
 """
 
 from __future__ import annotations

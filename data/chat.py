@@ -46,11 +46,31 @@ class TemplateMismatch(ValueError):
     """A chat template whose partial renderings are not prefixes of the full rendering."""
 
 
+class UnreadableContent(ValueError):
+    """A turn whose content is not text: null, missing, or parts other than text (images, audio, ...)."""
+
+
+def content_text(content: Any, where: str) -> str:
+    """A turn's content as the text a template renders: a string as it is, a list of OpenAI text parts
+    ([{"type": "text", "text": ...}, ...]) joined as they stand; anything else raises `UnreadableContent`."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    if isinstance(content, list):
+        kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content})
+        got = f"parts of type {kinds}" if content else "no parts"
+    else:
+        got = "null" if content is None else f"a {type(content).__name__}"
+    raise UnreadableContent(f"{where} has content {got}, not text; give a string or a list of text parts")
+
+
 def to_messages(example: dict[str, Any]) -> list[dict[str, str]] | None:
     """Normalise one example to OpenAI `messages`; None for plain `text` examples.
 
-    Accepts OpenAI (`messages`: role/content), ShareGPT (`conversations`: from/value) and
-    plain `text`.
+    Accepts OpenAI (`messages`: role/content, content a string or a list of text parts), ShareGPT
+    (`conversations`: from/value) and plain `text`; a turn without text raises `UnreadableContent`.
     """
     if example.get("messages") is not None:
         turns, role_key, content_key = example["messages"], "role", "content"
@@ -62,11 +82,11 @@ def to_messages(example: dict[str, Any]) -> list[dict[str, str]] | None:
         raise ValueError(f"example has none of 'messages', 'conversations', 'text' (keys: {sorted(example)}); "
                          "convert it to OpenAI messages, ShareGPT conversations or plain text")
     messages = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         role = ROLE_ALIASES.get(str(turn[role_key]).lower())
         if role is None:
             raise ValueError(f"unknown chat role {turn[role_key]!r}; use one of {sorted(set(ROLE_ALIASES))}")
-        messages.append({"role": role, "content": turn[content_key]})
+        messages.append({"role": role, "content": content_text(turn.get(content_key), f"turn {i} ({role})")})
     return messages
 
 

@@ -1,6 +1,8 @@
 """The bottom layer: what every other part of draftsmith may import, importing nothing of ours.
 
-- errors a user can act on (`ConfigError`, `DiskFull`) and the free-space checks behind `DiskFull`;
+- errors a user can act on (`ConfigError`, `DiskFull`, `DamagedFile`) and the free-space checks behind `DiskFull`;
+- `read_file` / `open_safetensors`: the one way every file draftsmith wrote or was handed is opened (JSON, JSON
+  lines, YAML, safetensors, torch), refusing a damaged one in one line with its path, what is wrong and the fix;
 - the batch contract: rows of `input_ids`, `loss_mask`, `position_ids` (lists of equal length per row) and
   `collate`, which stacks them into tensors;
 - the run-directory layout a training run writes and everything else reads:
@@ -17,10 +19,16 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
+import re
 import shutil
+import struct
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 
 class ConfigError(ValueError):
@@ -29,6 +37,15 @@ class ConfigError(ValueError):
 
 class DiskFull(OSError):
     """Not enough free space for a checkpoint, export or output file."""
+
+
+class DamagedFile(ValueError):
+    """A file that is there but does not read (truncated, not parseable, refused): its path, what, the fix."""
+
+
+# the fixes `read_file` names for the files of a drafter directory and of an export
+REDO_DRAFTER = "pass another checkpoint's model/ (RUN/checkpoint-N/model) or train the run again"
+REDO_EXPORT = "export the run again (draftsmith export RUN --format FORMAT --out DIR)"
 
 
 def one_line(e: BaseException) -> str:
@@ -56,6 +73,96 @@ def is_disk_full(e: BaseException) -> bool:
     """An error raised by a write that ran out of space (torch's zip writer reports it as 'unexpected pos')."""
     return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or \
         "unexpected pos" in str(e) or "No space left" in str(e)
+
+
+# ---- opening files -------------------------------------------------------------------------------
+
+def safetensors_damage(f: Path) -> str:
+    """Why a .safetensors file cannot be whole (truncated, or a header that does not parse), or '': 'is truncated
+    (...)'."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n)) if 8 + n <= size else None
+    except (struct.error, ValueError, UnicodeDecodeError):
+        return f"has no readable safetensors header ({size} bytes)"
+    if header is None:
+        return f"is truncated ({size} bytes, shorter than its header)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if size != 8 + n + end:
+        return f"is truncated or damaged ({size} bytes, its header needs {8 + n + end})"
+    return ""
+
+
+def what_is_wrong(e: Exception) -> str:
+    """What a reader's error says is wrong with a file, in a few words."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"line {e.lineno}: not valid JSON ({e.msg})"
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        return f"line {e.problem_mark.line + 1}: not valid YAML ({e.problem})"
+    if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):  # torch.load(weights_only=True)
+        # met a global it does not allow
+        found = re.search(r"(GLOBAL \S+|Unsupported \S+ \S+)", str(e))
+        return ("holds pickled code, not only tensors, and was refused (loading it could run that code"
+                f"{': ' + found.group(1) if found else ''})")
+    if isinstance(e, UnicodeDecodeError):
+        return "is not text (UTF-8)"
+    return f"does not read ({one_line(e)[:160]})"
+
+
+def read_file(path: str | Path, fix: str):
+    """A file by its suffix: .json -> its value, .jsonl -> a list of rows, .yaml/.yml -> its value, .safetensors ->
+    {name: tensor}, .pt/.bin -> torch.load(weights_only=True). A missing, truncated or unparseable file, an empty one
+    that should not be (JSON, tensors), or a pickle holding code raises one line `PATH[:LINE]: what is wrong; fix` (FileNotFoundError or DamagedFile)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {fix}")
+    kind = path.suffix.lower()
+    if path.stat().st_size == 0 and kind not in (".jsonl", ".yaml", ".yml"):
+        raise DamagedFile(f"{path} is empty; {fix}")
+    try:
+        if kind == ".safetensors":
+            why = safetensors_damage(path)
+            if why:
+                raise DamagedFile(f"{path} {why}; {fix}")
+            return load_file(path)
+        if kind in (".pt", ".bin"):
+            return torch.load(path, weights_only=True)
+        text = path.read_text()
+        if kind == ".jsonl":
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DamagedFile(f"{path}:{n}: not valid JSON ({e.msg}); {fix}") from None
+            return rows
+        if kind in (".yaml", ".yml"):
+            return yaml.safe_load(text)
+        return json.loads(text)
+    except DamagedFile:
+        raise
+    except (OSError, ValueError, RuntimeError, EOFError, SafetensorError, pickle.UnpicklingError,
+            yaml.YAMLError) as e:
+        why = what_is_wrong(e)
+        line = re.match(r"line (\d+): (.*)", why)
+        raise DamagedFile(f"{path}:{line[1]}: {line[2]}; {fix}" if line else f"{path}: {why}; {fix}") from None
+
+
+def open_safetensors(path: str | Path, fix: str):
+    """safe_open(path) for lazy, memory-mapped reads, after the same checks as `read_file`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {fix}")
+    why = safetensors_damage(path)
+    if why:
+        raise DamagedFile(f"{path} {why}; {fix}")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (OSError, SafetensorError) as e:
+        raise DamagedFile(f"{path}: {what_is_wrong(e)}; {fix}") from None
 
 
 # ---- the batch contract ----------------------------------------------------------------------------
@@ -114,7 +221,7 @@ def best_record(run_or_best: str | Path) -> dict:
     """best.json of a run's best/ (or of the best/ dir given): {"step", metrics...}; {} when there is none."""
     d = Path(run_or_best)
     path = d / BEST_FILE if (d / BEST_FILE).is_file() else d / BEST / BEST_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_file(path, "train the run again or pick a checkpoint's model/") if path.is_file() else {}
 
 
 def write_drafter_meta(drafter_dir: str | Path, method: str, **fields) -> None:
@@ -129,7 +236,7 @@ def read_drafter_meta(drafter_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{drafter_dir} has no {DRAFTER_FILE}; pass a run dir, its best/ or a checkpoint's "
                                 "model/")
-    meta = json.loads(path.read_text())
+    meta = read_file(path, "export or train the drafter again, or pass an older checkpoint's model/")
     version = meta.setdefault("schema_version", 0)
     if version > SCHEMA_VERSION or "method" not in meta:
         raise ValueError(f"{path}: schema_version {version} with method {meta.get('method')!r} is not one this "

@@ -9,8 +9,8 @@
 Rows may be OpenAI `messages`, ShareGPT `conversations` or plain `text` (see `data/chat.py`).
 
 Over-long examples are truncated to their first `max_length` tokens or dropped; an example
-with no assistant token left is an error by default (a count and the first offending row), or
-dropped. The result is cached with `save_to_disk` under a key that hashes the tokenizer, the
+with no assistant token left, or with a turn whose content is not text (null, missing, image
+parts), is an error by default (a count and the first offending row), or dropped and counted. The result is cached with `save_to_disk` under a key that hashes the tokenizer, the
 chat template, the data and the config fields that change the output, and reused on a hit.
 """
 
@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 import datasets
 
-from draftsmith.data.chat import NoAssistantTokens, tokenize_example
-from draftsmith.data.core import ConfigError
+from draftsmith.data.chat import NoAssistantTokens, UnreadableContent, to_messages, tokenize_example
+from draftsmith.data.core import ConfigError, read_file
 from draftsmith.data.packing import pack
 
 log = logging.getLogger("draftsmith.data")
@@ -56,6 +56,7 @@ class DataConfig:
     max_length: int = 2048  # tokens per example, and per row when packed
     overlong: Literal["truncate", "drop"] = "truncate"
     on_no_assistant: Literal["error", "drop"] = "error"
+    on_unreadable: Literal["error", "drop"] = "error"  # a turn whose content is null, missing or not text
     pack: bool = False
     num_proc: int = 1
     cache: bool = True
@@ -82,6 +83,7 @@ class DataStats:
     truncated: int = 0
     dropped_overlong: int = 0
     no_assistant: int = 0  # dropped (or the error) for having no assistant token, after truncation
+    unreadable: int = 0  # dropped (or the error) for a turn whose content is not text
     kept: int = 0
     rows: int = 0
     tokens: int = 0  # in rows, padding excluded
@@ -89,7 +91,7 @@ class DataStats:
 
     def summary(self) -> str:
         return (f"read {self.read} examples: truncated {self.truncated}, dropped {self.dropped_overlong} over-long, "
-                f"dropped {self.no_assistant} without assistant tokens; kept {self.kept} -> {self.rows} rows, "
+                f"dropped {self.no_assistant} without assistant tokens, {self.unreadable} with unreadable content; kept {self.kept} -> {self.rows} rows, "
                 f"{self.tokens} tokens, {self.trained_tokens} trained")
 
 
@@ -223,7 +225,8 @@ def _tokenizer_key(tokenizer) -> str:
 
 def cache_key(cfg: DataConfig, tokenizer) -> str:
     """sha256 over tokenizer, template, data, pipeline code and the output-relevant config fields."""
-    fields = {k: getattr(cfg, k) for k in ("max_length", "overlong", "on_no_assistant", "pack", "limit")}
+    fields = {k: getattr(cfg, k) for k in ("max_length", "overlong", "on_no_assistant", "on_unreadable", "pack",
+                                           "limit")}
     code = [hashlib.sha256(p.read_bytes()).hexdigest() for p in PIPELINE_FILES]
     blob = json.dumps({"tokenizer": _tokenizer_key(tokenizer), "data": _data_key(cfg), "config": fields,
                        "code": code}, sort_keys=True)
@@ -236,6 +239,8 @@ def _tokenize_one(example: dict[str, Any], tokenizer, max_length: int, overlong:
         out = tokenize_example(tokenizer, example)
     except NoAssistantTokens:
         return {"input_ids": [], "loss_mask": [], "status": "no_assistant"}
+    except UnreadableContent:
+        return {"input_ids": [], "loss_mask": [], "status": "unreadable"}
     status = "ok"
     if len(out["input_ids"]) > max_length:
         if overlong == "drop":
@@ -255,7 +260,16 @@ def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple
                         keep_in_memory=True, new_fingerprint=uuid.uuid4().hex, desc="tokenizing")
     status = tokenized["status"]
     stats = DataStats(read=len(raw), truncated=status.count("truncated"), dropped_overlong=status.count("overlong"),
-                      no_assistant=status.count("no_assistant"))
+                      no_assistant=status.count("no_assistant"), unreadable=status.count("unreadable"))
+    if stats.unreadable and cfg.on_unreadable == "error":
+        first = status.index("unreadable")
+        try:
+            to_messages(raw[first])
+        except UnreadableContent as e:
+            why = str(e).split(";")[0]
+        raise UnreadableContent(
+            f"{cfg.path or '(reference examples)'} row {first}: {why} ({stats.unreadable} of {stats.read} "
+            "examples have such a turn); fix the data, or set data.on_unreadable=drop to skip and count them")
     if stats.no_assistant and cfg.on_no_assistant == "error":
         first = status.index("no_assistant")
         raise NoAssistantTokens(
@@ -291,7 +305,8 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else DEFAULT_CACHE
     final = root / cache_key(cfg, tokenizer) if cfg.cache else None
     if final is not None and (final / "stats.json").is_file():
-        stats = DataStats(**json.loads((final / "stats.json").read_text()))
+        stats = DataStats(**read_file(final / "stats.json", f"delete {final} (a damaged data cache); the next run "
+                                      "rebuilds it"))
         log.info("data: cache hit %s: %s", final, stats.summary())
         return datasets.load_from_disk(str(final)), stats
     ds, stats = tokenize_dataset(load_raw(cfg), cfg, tokenizer)

@@ -1,6 +1,6 @@
 """Offline hidden states for EAGLE: the frozen target's features written once, read back by training.
 
-    python scripts/cache_hidden_states.py --config recipes/eagle3/tiny-code.yaml --out DIR
+    draftsmith cache --config recipes/eagle3/tiny-code.yaml --out DIR
 
 Only what the method reads is stored: `hidden`, the final post-norm hidden state [T, H] (EAGLE-1's
 feature and, through the target's LM head, the soft targets of both versions: logits are never
@@ -36,10 +36,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from draftsmith.data.core import collate
+from draftsmith.data.core import collate, open_safetensors, read_file, safetensors_damage
 
 MANIFEST = "manifest.json"
 FORMAT = "draftsmith-hidden-cache/1"
@@ -131,7 +130,7 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
                 "data_sha256": digest.hexdigest(), "shards": shards, "meta": meta or {}, "complete": False}
 
     if (out / MANIFEST).is_file():
-        old = json.loads((out / MANIFEST).read_text())
+        old = read_file(out / MANIFEST, f"delete {out} (a damaged cache) and write it again")
         if {**old, "target": "", "meta": {}, "complete": False} != {**manifest, "target": "", "meta": {}}:
             raise CacheError(f"{out} holds a cache of another target, layers, dtype, data or shard size; "
                              "pass a new --out or delete that directory")
@@ -232,20 +231,26 @@ class HiddenCache:
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             raise CacheError(f"{self.path} is not a hidden-state cache (no {MANIFEST}); write one with "
-                             "scripts/cache_hidden_states.py --config <recipe> --out DIR")
-        self.manifest = m = json.loads((self.path / MANIFEST).read_text())
+                             "draftsmith cache --config <recipe> --out DIR")
+        self.manifest = m = read_file(self.path / MANIFEST, f"delete {self.path} and write the cache again with "
+                                      "draftsmith cache --config <recipe> --out DIR")
         if not m["complete"]:
             done = sum((self.path / s["file"]).is_file() for s in m["shards"])
             raise CacheError(f"hidden cache {self.path} is incomplete ({done} of {len(m['shards'])} shards); rerun "
-                             f"scripts/cache_hidden_states.py with the same recipe and --out {self.path} to resume it")
+                             f"draftsmith cache with the same recipe and --out {self.path} to resume it")
         if target is not None and m["target_sha256"] != target_fingerprint(target):
             raise CacheError(f"hidden cache {self.path} was written for another target ({m['target']}), not "
-                             f"{target.path}; write a cache of this target with scripts/cache_hidden_states.py "
+                             f"{target.path}; write a cache of this target with draftsmith cache "
                              "and point offline.path at it")
         if layers is not None and list(layers) != m["layers"]:
             raise CacheError(f"hidden cache {self.path} holds layers {m['layers'] or 'final only'} but the method "
                              f"reads {list(layers) or 'final only'}; write a cache with this recipe's eagle settings "
-                             "(scripts/cache_hidden_states.py) and point offline.path at it")
+                             "(draftsmith cache) and point offline.path at it")
+        for s in m["shards"]:  # a header read each: a damaged shard is named here, not deep in a data loader
+            f = self.path / s["file"]
+            why = "is missing" if not f.is_file() else safetensors_damage(f)
+            if why:
+                raise CacheError(f"hidden cache {self.path}: {s['file']} {why}; {self.rewrite(s['file'])}")
         self.layers, self.hidden_size = m["layers"], m["hidden_size"]
         self.features = ("hidden", "aux", *m.get("teacher", ())) if self.layers else ("hidden",)
         self.starts = [s["first_row"] for s in m["shards"]]
@@ -254,9 +259,16 @@ class HiddenCache:
     def __len__(self) -> int:
         return self.manifest["rows"]
 
+    def rewrite(self, shard: str) -> str:
+        """The fix for a damaged shard: the writer resumes at missing shards."""
+        command = self.manifest.get("meta", {}).get("command") or \
+            f"draftsmith cache --config <the recipe that wrote it> --out {self.path}"
+        return f"delete it and rerun `{command}`, which writes missing shards again"
+
     def shard(self, k: int) -> tuple:
         if k not in self.open:
-            f = safe_open(str(self.path / self.manifest["shards"][k]["file"]), framework="pt")
+            name = self.manifest["shards"][k]["file"]
+            f = open_safetensors(self.path / name, self.rewrite(name))
             self.open[k] = f, f.get_tensor("offsets").tolist()
         return self.open[k]
 

@@ -1,4 +1,4 @@
-"""Diverse chat prompts built from code, for self-distilling a real target (scripts/self_distill.py), and
+"""Diverse chat prompts built from code, for self-distilling a real target (`draftsmith self-distill`), and
 plain-text openings for a base model without a chat template (`build_text_prompts`).
 
 No hub, no downloaded data: code tasks come from the running interpreter's standard library (functions

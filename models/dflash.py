@@ -26,17 +26,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
+from draftsmith.data.core import REDO_DRAFTER, ConfigError, read_drafter_meta, read_file, write_drafter_meta
 from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified, draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.eagle import additive, draft_config
+from draftsmith.models.eagle_config import draft_config
+from draftsmith.models.eagle_drafter import additive
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target
 
@@ -251,9 +252,9 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[DFlashDraft
     """A drafter checkpoint dir -> (DFlashDrafter with its weights, drafter.json)."""
     path = Path(path)
     meta = read_drafter_meta(path)
-    config = LlamaConfig.from_json_file(path / CONFIG_FILE)
+    config = LlamaConfig.from_dict(read_file(path / CONFIG_FILE, REDO_DRAFTER))
     drafter = DFlashDrafter(config, len(meta["aux_layers"]))
-    drafter.load_state_dict(load_file(path / WEIGHTS_FILE))
+    drafter.load_state_dict(read_file(path / WEIGHTS_FILE, REDO_DRAFTER))
     return drafter.to(device=device, dtype=dtype).eval(), meta
 
 

@@ -1,6 +1,6 @@
 """DFlash export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm|sglang --out DIR
+    draftsmith export RUN --format vllm|sglang|gguf --out DIR
 
 One layout, the z-lab DFlash release's, which vLLM (`--speculative-config '{"method": "dflash", "model": DIR,
 "num_speculative_tokens": K}'`, vllm/model_executor/models/qwen3_dflash.py) and SGLang (`DFLASH`) load:
@@ -21,14 +21,15 @@ them. draftsmith_export.json records the conventions.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig
 
+from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.dflash import DFlashDrafter, load_drafter
 from draftsmith.models.export import Format, vllm_parallel_drafting_token_id, write_json
+from draftsmith.models.llama_cpp import gguf_format
 
 SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -80,7 +81,7 @@ def engine_layers(config: dict) -> list[int]:
 
 def load(path: Path) -> tuple[DFlashDrafter, dict]:
     """The engine's reading: layer ids, mask token, bidirectional block attention, then the tensors."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_file(path / "config.json", REDO_EXPORT)
     side = path / SIDE_FILE
     dflash = cfg.get("dflash_config") or {}
     if dflash.get("causal") or "sliding_attention" in (cfg.get("layer_types") or []) or dflash.get("use_swa"):
@@ -91,12 +92,13 @@ def load(path: Path) -> tuple[DFlashDrafter, dict]:
     config = LlamaConfig(**{k: cfg[k] for k in LAYER_FIELDS}, num_hidden_layers=cfg["num_hidden_layers"],
                          rope_parameters=rope, tie_word_embeddings=False)
     drafter = DFlashDrafter(config, len(layers))
-    drafter.load_state_dict(load_file(path / WEIGHTS_FILE))
+    drafter.load_state_dict(read_file(path / WEIGHTS_FILE, REDO_EXPORT))
     meta = {"method": "dflash", "aux_layers": layers, "block_size": cfg["block_size"],
             "mask_token_id": vllm_parallel_drafting_token_id(cfg),
-            "target": json.loads(side.read_text())["target"] if side.is_file() else ""}
+            "target": read_file(side, REDO_EXPORT)["target"] if side.is_file() else ""}
     return drafter.eval(), meta
 
 
 FORMATS = {name: Format(write, load, f"DFlash for {engine} (DFlashDraftModel, dflash_config)")
            for name, engine in (("vllm", "vLLM"), ("sglang", "SGLang"))}
+FORMATS["gguf"] = gguf_format(FORMATS["vllm"], "draft-dflash")

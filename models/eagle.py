@@ -21,13 +21,9 @@ and the proposer, and differ in what goes in and comes out:
               each output regressed on what step 0 reads one position on, the input the next step takes it for
               (eagle.input_weight; EAGLE-1's regression carried into EAGLE-3's own input space)
 
-With eagle.num_layers n > 1 the midlayer's output goes through n - 1 plain pre-norm Llama layers before the head
-(`DecoderLayer`, as vLLM and speculators build a multi-layer EAGLE-3 drafter); each has its own keys in the
-training-time test and its own entry in the decoding KV cache.
-
-f_t is the target's last hidden state after its final norm (the tap's `hidden`); "layers" are
-indices into Hugging Face `hidden_states` (0 = embeddings, i = the input to decoder layer i), the
-EAGLE repository's convention: the default (2, L//2, L-3) are the inputs to those layers.
+f_t is the target's last hidden state after its final norm (the tap's `hidden`); the layers of g_t and
+their convention: models/eagle_config.py; the drafter's layers, their weight names and loading: models/eagle_drafter.py;
+its proposer: models/eagle_proposer.py.
 
 Training-time test (EAGLE-3; also available to EAGLE-1): step k = 0..K-1 feeds the layer its own
 step-(k-1) output in place of the target feature, with the ground-truth token x_{t+1+k}, at rope
@@ -47,300 +43,27 @@ their argmax and the draft-vocabulary softmax), and the draft head and loss run 
 positions (default: the same) under activation checkpointing, so peak memory grows with the draft vocabulary,
 not the target's; `loss_chunk` 0 keeps a small draft vocabulary's logits instead of recomputing them. Attention
 scores [b, heads, m, s] exist per unrolled step (eager attention; no fused kernel takes the later steps' keys).
-
-The token embedding is the target's own module, frozen with the target (a copy would be identical).
-
-Weights are named as SGLang / SpecForge name them (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
-`t2d`; the later layers `additional_layers.*`), so exports are renames (models/eagle_export.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import heapq
-import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    repeat_kv,
-)
 
-from draftsmith.data.core import ConfigError, read_drafter_meta, write_drafter_meta
-from draftsmith.decoding import cache as kv
-from draftsmith.decoding.bench import Drafting
-from draftsmith.decoding.proposers import Proposer, Verified, draw
-from draftsmith.decoding.tree import DraftTree, layout
-from draftsmith.decoding.verify import Sampling, warp
+from draftsmith.data.core import ConfigError, write_drafter_meta
+from draftsmith.models.eagle_config import EagleConfig, aux_layers, draft_config
+from draftsmith.models.eagle_drafter import CONFIG_FILE, WEIGHTS_FILE, EagleDrafter, TTTPast, load_drafter
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.layerskip import final_norm
 from draftsmith.models.lm import masked_mean
 from draftsmith.models.target import Target, load_target, target_fields
-
-WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
-ALPHA_PRIOR, ALPHA_PRIOR_N = 0.7, 4  # sampled trees: each draw's acceptance before any verification, its weight
-
-
-@dataclasses.dataclass
-class EagleConfig:
-    """The drafter and its loss (EAGLE-1: version 1, ttt_steps 1, feature_noise 0.2; EAGLE-3: version 3)."""
-
-    version: Literal[1, 3] = 3
-    aux_layers: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3 hidden_states indices (< 0: from the end);
-    # []: (2, L//2, L-3)
-    draft_vocab_size: int = 32000  # EAGLE-3: most frequent loss-masked training tokens (capped at the target's vocab)
-    ttt_steps: int = 7  # training-time-test steps K
-    decay: float = 0.8  # step k weighs decay^k
-    feature_noise: float = 0.0  # uniform noise on input features, (U - 0.5) * noise * 512 / seq_len (EAGLE-1: 0.2)
-    feature_weight: float | None = None  # SmoothL1 on the target's next features; None: 1.0 (EAGLE-1), 0.0 (EAGLE-3)
-    token_weight: float = 0.1  # EAGLE-1 soft cross-entropy weight (EAGLE-3 has only this term, weight 1)
-    input_weight: float = 0.0  # EAGLE-3: SmoothL1 of each step's output on fc(g) of the next position (what step 0 reads)
-    intermediate_size: int = 0  # MLP width of the layer; 0: the target's
-    num_layers: int = 1  # decoder layers: the midlayer, then num_layers - 1 plain pre-norm layers (vLLM's EAGLE-3)
-    num_key_value_heads: int = 0  # the layer's key/value heads (divides the target's heads); 0: the target's
-    head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
-    norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
-    fuse_weight: float = 0.0  # EAGLE-3: SmoothL1 of norm(fc(g)) at t on the target's final feature f at t
-    head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
-    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
-    ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
-    ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn per row from its tokens
-    # and the run's progress, `row_uniform`: 2 processes train exactly as 1 with grad_accum 2)
-    loss: Literal["kl", "tv", "lk"] = "kl"  # D per step: forward KL (soft CE), total variation, -log acceptance
-    logit_chunk: int = 64  # positions per chunk of full-vocabulary logits and of the draft loss; 0: all at once
-    loss_chunk: int | None = None  # positions per chunk of the draft loss (recomputed in the backward); None: logit_chunk
-
-    def __post_init__(self):
-        for ok, key, why in [
-            (self.version in (1, 3), "version", "must be 1 (EAGLE-1) or 3 (EAGLE-3)"),
-            (self.ttt_steps >= 1, "ttt_steps", "must be >= 1"),
-            (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
-            (self.draft_vocab_size >= 1, "draft_vocab_size", "must be >= 1"),
-            (self.feature_noise >= 0, "feature_noise", "must be >= 0"),
-            (self.num_layers >= 1, "num_layers", "must be >= 1"),
-            (self.num_key_value_heads >= 0, "num_key_value_heads", "must be >= 0 (0: the target's)"),
-            (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
-            (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
-            (self.head_steps >= 0 and (self.head_steps == 0 or self.feature_weight or self.input_weight), "head_steps",
-             "must be >= 0, and later steps without the draft loss need feature_weight or input_weight"),
-            (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
-            (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
-            (0 < self.ttt_fraction <= 1, "ttt_fraction", "must be in (0, 1] (1: every position that trains)"),
-            (self.loss in ("kl", "tv", "lk"), "loss",
-             "must be kl (forward KL), tv (total variation) or lk (negative log-acceptance)"),
-            (self.logit_chunk >= 0, "logit_chunk", "must be >= 0 (0: the whole sequence at once)"),
-            (self.loss_chunk is None or self.loss_chunk >= 0, "loss_chunk", "must be >= 0 (0: the whole sequence)"),
-            (self.version == 3 or not self.aux_layers, "aux_layers", "only EAGLE-3 fuses several layers; remove it"),
-            (self.feature_weight is None or self.feature_weight >= 0, "feature_weight", "must be >= 0"),
-            (self.input_weight >= 0 and (self.version == 3 or not self.input_weight), "input_weight",
-             "must be >= 0, and only EAGLE-3 fuses an input (EAGLE-1: feature_weight)"),
-            (self.fuse_weight >= 0 and (self.version == 3 or not self.fuse_weight), "fuse_weight",
-             "must be >= 0, and only EAGLE-3 fuses an input (EAGLE-1 reads the target's feature itself)"),
-            (self.version == 3 or self.feature_weight != 0 or self.token_weight > 0, "feature_weight",
-             "EAGLE-1 needs a positive feature_weight or token_weight"),
-        ]:
-            if not ok:
-                raise ConfigError(f"eagle.{key}: {why}")
-        if self.feature_weight is None:
-            self.feature_weight = 1.0 if self.version == 1 else 0.0
-        if self.loss_chunk is None:
-            self.loss_chunk = self.logit_chunk
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """The EAGLE repository's choice, the inputs to layers 2, L//2 and L-3; on targets too shallow for three
-    distinct such layers, the first distinct layers of 1..L-1 fill in (engines capture each layer once)."""
-    ids = {min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 1)}
-    fill = [i for i in range(1, num_layers) if i not in ids]
-    return sorted(ids | set(fill[: max(0, 3 - len(ids))]))
-
-
-def aux_layers(cfg: EagleConfig, num_layers: int) -> list[int]:
-    """The hidden_states indices EAGLE-3 fuses (the recipe's, else the default); none for EAGLE-1. A negative index
-    counts from the end of the num_layers + 1 hidden states, as Python does: [-4, -3, -2] are the inputs to the last
-    three layers of any target."""
-    if cfg.version != 3:
-        return []
-    return [i + num_layers + 1 if i < 0 else i for i in cfg.aux_layers] or default_aux_layers(num_layers)
-
-
-def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
-    """A one-layer Llama config with the target's width, heads and rope (what the engines instantiate)."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    H = text.hidden_size
-    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                      "rope_theta": getattr(text, "rope_theta", 10000.0)}
-    kv_heads = getattr(cfg, "num_key_value_heads", 0) or getattr(text, "num_key_value_heads", None) \
-        or text.num_attention_heads
-    if text.num_attention_heads % kv_heads:
-        raise ConfigError(f"eagle.num_key_value_heads={kv_heads} does not divide the target's "
-                          f"{text.num_attention_heads} attention heads; use a divisor of it (0: the target's)")
-    config = LlamaConfig(
-        hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
-        num_hidden_layers=cfg.num_layers, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
-        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
-        max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
-        hidden_act="silu", tie_word_embeddings=False)
-    config.draft_vocab_size, config.target_hidden_size = draft_vocab_size, H
-    config.fc_norm = getattr(cfg, "fc_norm", False)  # EAGLE-3 only (DFlash builds its layers from the same config)
-    config._attn_implementation = "sdpa"
-    return config
-
-
-class MidLayer(nn.Module):
-    """The drafter's decoder layer; EAGLE-3's q/k/v read [norm(embedding); norm(hidden)] (2H)."""
-
-    def __init__(self, config: LlamaConfig, version: int):
-        super().__init__()
-        H = config.hidden_size
-        self.self_attn = LlamaAttention(config, layer_idx=0)
-        if version == 3:
-            heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-            self.self_attn.q_proj = nn.Linear(2 * H, heads * d, bias=False)
-            self.self_attn.k_proj = nn.Linear(2 * H, kv_heads * d, bias=False)
-            self.self_attn.v_proj = nn.Linear(2 * H, kv_heads * d, bias=False)
-            self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-            self.hidden_norm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-        self.version = version
-
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
-        """emb, h [b, q, H] (EAGLE-1: h is already fc([emb; f])) -> [b, q, H]. Decoding: cache the decoder's KV cache,
-        mask [b, 1, q, keys] additive; training-time test: cache the list of the earlier steps' keys and values,
-        mask [b, q, s] bool over step 0's keys (`ttt_attention`)."""
-        x = h if self.version == 1 else torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)  # [b, q, 2H]
-        h = h + attend(self.self_attn, x, rope, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DecoderLayer(nn.Module):
-    """A drafter layer after the midlayer: a plain pre-norm Llama layer on the previous layer's output (vLLM's
-    layers 1.. of a multi-layer EAGLE-3 drafter: input_layernorm over the residual stream, attention, MLP). Not a
-    subclass of transformers' LlamaDecoderLayer, whose instances FSDP2 would wrap as units of a Llama target's."""
-
-    def __init__(self, config: LlamaConfig, layer_idx: int):
-        super().__init__()
-        H = config.hidden_size
-        self.input_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx=layer_idx)  # its own entry of the decoding KV cache
-        self.post_attention_layernorm = LlamaRMSNorm(H, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
-
-    def forward(self, h: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
-        """h [b, q, H] -> [b, q, H]; mask and cache as `MidLayer.forward` reads them."""
-        h = h + attend(self.self_attn, self.input_layernorm(h), rope, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def attend(attn: LlamaAttention, x: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
-    """A drafter layer's attention: `ttt_attention` in training-time test (cache the list of the earlier steps' keys
-    and values), else over the decoder's KV cache with an additive mask [b, 1, q, keys]."""
-    if isinstance(cache, list):
-        return ttt_attention(attn, x, rope, mask, cache)
-    return attn(x, position_embeddings=rope, attention_mask=mask.to(x.dtype), cache=cache)[0]
-
-
-def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: torch.Tensor,
-                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The drafter's attention in training-time test at step k = len(past), what decoding's cache and mask compute:
-    queries x [b, m, 2H or H] read step 0's keys where visible [b, m, s], and the key of each step 1..k at their own
-    position; that is one dot product per step, not the [m, m] block of which a mask would keep the diagonal.
-    Appends this step's (keys, values), repeated to every head [b, heads, m, d], to past -> attention output [b, m, H]."""
-    b, m, _ = x.shape
-    q, key, value = (proj(x).view(b, m, -1, attn.head_dim).transpose(1, 2)
-                     for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # [b, heads or kv_heads, m, d]
-    q, key = apply_rotary_pos_emb(q, key, *rope)
-    past.append((repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)))
-    (k0, v0), *later = past  # [b, heads, s or m, d] each
-    q = q * attn.scaling
-    scores = (q @ k0.transpose(2, 3)).masked_fill(~visible[:, None], torch.finfo(q.dtype).min)  # [b, heads, m, s]
-    s = scores.shape[-1]
-    if later:
-        k_later, v_later = (torch.stack(x, 3) for x in zip(*later, strict=True))  # [b, heads, m, k, d] each
-        scores = torch.cat([scores, (q[..., None, :] * k_later).sum(-1)], -1)  # [b, heads, m, s + k]
-    w = F.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
-    out = w[..., :s] @ v0  # [b, heads, m, d]
-    if later:
-        out = out + (w[..., s:, None] * v_later).sum(3)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, m, -1))
-
-
-class EagleDrafter(nn.Module):
-    """The trainable drafter: fc, midlayer (+ additional_layers), and for EAGLE-3 norm + lm_head over the draft
-    vocabulary.
-
-    `d2t` [Vd] int64 (target id = i + d2t[i]) and `t2d` [V] bool are buffers fixed before training.
-    """
-
-    def __init__(self, config: LlamaConfig, version: int, draft_ids: torch.Tensor, n_features: int = 1):
-        super().__init__()
-        H = config.hidden_size
-        self.config, self.version = config, version
-        if version == 1:
-            self.fc = nn.Linear(2 * H, H, bias=True)
-        else:
-            self.fc = nn.Linear(n_features * H, H, bias=False)
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, config.rms_norm_eps) for _ in range(n_features)) \
-                if getattr(config, "fc_norm", False) else None
-            self.norm = LlamaRMSNorm(H, config.rms_norm_eps)
-            self.lm_head = nn.Linear(H, draft_ids.numel(), bias=False)
-        self.midlayer = MidLayer(config, version)
-        self.additional_layers = nn.ModuleList(DecoderLayer(config, i) for i in range(1, config.num_hidden_layers))
-        self.rotary = LlamaRotaryEmbedding(config)
-        draft_ids = draft_ids.long()
-        self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[draft_ids] = True
-        self.register_buffer("t2d", t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [Vd] target ids
-
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                cache) -> torch.Tensor:
-        """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
-        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]."""
-        h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
-        rope = self.rotary(h, position_ids)
-        caches = cache if isinstance(cache, list) else [cache] * self.config.num_hidden_layers  # TTT: one per layer
-        h = self.midlayer(emb, h, rope, mask, caches[0])
-        for layer, c in zip(self.additional_layers, caches[1:], strict=True):
-            h = layer(h, rope, mask, c)
-        return h
-
-    def fuse(self, g: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3's fused input: target features g [.., n*H] -> fc([n_a(a); n_b(b); n_c(c)]) [.., H]. An input
-        H wide (the drafter's own output, or a single layer's features) passes unchanged, as the engines (vLLM,
-        SGLang) apply fc only to a wider one; training and decoding both read it through here."""
-        if g.shape[-1] == self.config.hidden_size:
-            return g
-        return self.fc(self.fc_input(g))
-
-    def fc_input(self, g: torch.Tensor) -> torch.Tensor:
-        """What fc reads of target features g [.., n*H]: each captured layer through its fc_norm (EAGLE 3.1), or g."""
-        if self.fc_norm is None:
-            return g
-        return torch.cat([norm(x) for norm, x in zip(self.fc_norm, g.chunk(len(self.fc_norm), -1), strict=True)], -1)
-
-    def logits(self, out: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
-        """Draft logits [.., Vd]: EAGLE-3's own head on norm(out), EAGLE-1 the target's head on out (Vd = V)."""
-        return target_head(out) if self.version == 1 else self.lm_head(self.norm(out))
 
 
 def draft_vocab(dataset, vocab_size: int, size: int) -> torch.Tensor:
@@ -378,11 +101,6 @@ class ForwardKL(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> tuple[torch.Tensor, None]:
         q, p, p_sum = ctx.saved_tensors
         return (q * p_sum).sub_(p).mul_(grad[..., None]), None
-
-
-def additive(visible: torch.Tensor) -> torch.Tensor:
-    """Bool visibility -> additive mask (0 where visible, -inf elsewhere), same shape."""
-    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
 
 
 def take(x: torch.Tensor, t: torch.Tensor, n: int = 0, fill=0) -> torch.Tensor:
@@ -581,7 +299,7 @@ class Eagle(nn.Module):
             g = g + (torch.rand_like(g) - 0.5) * cfg.feature_noise * 512 / s
         same = (seq[:, :, None] == seq[:, None, :]) & (seq[:, :, None] >= 0)  # [b, s, s]
         causal = same & torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-        past: list[list] = [[] for _ in range(cfg.num_layers)]  # per layer, each step's keys and values
+        past = [TTTPast() for _ in range(cfg.num_layers)]  # per layer, each step's keys and values
         h, on_path, total = g, torch.ones_like(ids, dtype=torch.bool), 0.0
         if cfg.input_weight or cfg.fuse_weight:  # step 0 reads fc(g), which the regressions below read too
             h = d.fuse(g)  # [b, s, H]
@@ -665,28 +383,6 @@ class Eagle(nn.Module):
                            **target_fields({"target": self.target.path, "target_as_given": self.target.given}))
 
 
-def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafter, dict]:
-    """A drafter checkpoint dir -> (EagleDrafter with its weights, drafter.json)."""
-    path = Path(path)
-    meta = read_drafter_meta(path)
-    config = LlamaConfig.from_json_file(path / CONFIG_FILE)
-    config._attn_implementation = "sdpa"
-    state = load_file(path / WEIGHTS_FILE)
-    draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
-    drafter = EagleDrafter(config, meta["version"], draft_ids, max(1, len(meta["aux_layers"])))
-    if "mask_hidden" in state:  # P-EAGLE's placeholder feature (models/p_eagle.py)
-        drafter.mask_hidden = nn.Parameter(torch.zeros_like(state["mask_hidden"]))
-    drafter.load_state_dict(state)
-    return drafter.to(device=device, dtype=dtype).eval(), meta
-
-
-def load_proposer(path: str | Path, target, **kwargs) -> EagleProposer:
-    """The plug-in's proposer loader (models/registry.py) for an EAGLE drafter dir."""
-    target = target if isinstance(target, Target) else Target(target, None, "")
-    drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
-    return EagleProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], **kwargs)
-
-
 def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
     """A trained Eagle method from a drafter dir (its target loaded from drafter.json unless given)."""
     drafter, meta = load_drafter(path)
@@ -699,247 +395,3 @@ def load_eagle(path: str | Path, target: Target | None = None) -> Eagle:
     method = Eagle(target, cfg, drafter.draft_ids)
     method.drafter.load_state_dict(drafter.state_dict())
     return method
-
-
-class EagleProposer(Proposer):
-    """EAGLE drafting on the shared verifier: feature-space autoregression with the drafter's own KV cache.
-
-    Before each draft (`catch_up`) the cache is cut back to the committed positions and extended with the
-    target's features of the tokens committed since the last draft (entry p holds feature f_p with token
-    x_{p+1}, at rope position p), so drafting always restarts from the target's own hidden states. Then:
-    - chain: gamma tokens, each fed back with the drafter's output hidden state;
-    - tree, greedy (EAGLE-2's dynamic tree): `depth` rounds; each round expands the `top_k` best frontier nodes
-      by their `top_k` children, scored by the cumulative log draft probability q, the greedy chain's tip always
-      among them. The tree is the greedy chain (each node's top-1 child from the root: the chain proposer's own
-      draft, `depth` deep) and the best other nodes over all depths up to `total_tokens` (ancestors score at
-      least as high as descendants, so it is closed). EAGLE-2 keeps the best nodes alone and drops the chain's
-      deep tokens wherever q is unsure early: its greedy tree accepted less than a chain as deep (README).
-    - tree, sampling: a shape fixed before anything is drawn, then filled level by level with draws without
-      replacement (each node records the q it was drawn from, for the exact verifier). The j-th draw at a node is
-      the child the verifier accepts with chance prod_{i<j} (1 - a_i) a_j, a_j the rate at which a j-th draw was
-      accepted once tested, learnt from the verifications so far; a node is reached with the product of the
-      chances along its path, and the `total_tokens` likeliest nodes within `depth` levels, closed under
-      ancestors and earlier draws, form the shape. The shape must not depend on the drawn tokens: a draw kept
-      or dropped for its own q (as EAGLE-2's scores would) skews which tokens the verifier lets out
-      (tests/test_eagle.py, `test_a_sampled_tree_keeps_the_targets_distribution_where_a_q_scored_one_did_not`).
-    """
-
-    def __init__(self, drafter: EagleDrafter, embed: nn.Module, target_head: nn.Module, layers,
-                 mode: Literal["chain", "tree"] = "chain", gamma: int = 5, top_k: int = 8, depth: int = 5,
-                 total_tokens: int = 32):
-        if mode not in ("chain", "tree") or min(gamma, top_k, depth, total_tokens) < 1:
-            raise ValueError("EAGLE proposer: mode must be chain or tree and gamma, top_k, depth, total_tokens >= 1")
-        self.drafter, self.embed, self.head = drafter, embed, target_head
-        self.hidden_layers = tuple(layers) or (-1,)
-        self.mode, self.gamma, self.top_k, self.depth, self.total_tokens = mode, gamma, top_k, depth, total_tokens
-        self.draws = [[ALPHA_PRIOR * ALPHA_PRIOR_N, ALPHA_PRIOR_N] for _ in range(top_k)]  # sampled trees: per draw
-        # index j at a node, [accepted, tested]
-        self.reset()
-
-    def reset(self) -> None:
-        self.cache, self.n, self.last = kv.new_cache(), 0, None  # committed entries, output at the last one [H]
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens [m], features [m, k*H]) not yet fed
-
-    def _step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
-              ) -> torch.Tensor:
-        """Feed q entries: tokens [q], h [q, D], positions [q], visible [q, cache + q] bool -> outputs [q, H]."""
-        emb = self.embed(tokens[None]).to(h.dtype)  # [1, q, H]
-        return self.drafter(emb, h[None], positions[None], additive(visible)[None, None], self.cache)[0]
-
-    @torch.no_grad()
-    def accept(self, ids: torch.Tensor, verified: Verified) -> None:
-        """Records the committed entries; `catch_up` feeds them when the next draft needs them, so a step that
-        drafts nothing (adaptive gamma's depth 0) costs no drafter forward, and several such steps cost one. The
-        prompt's entries are fed at once (a cost per sequence, not per draft)."""
-        if verified.hidden is None:
-            return
-        tree = verified.tree
-        if tree is not None and tree.q is not None and self.mode == "tree":  # a_j: each tested draw, accepted or not
-            for node, taken in zip([-1, *verified.path], [*verified.path, None], strict=True):
-                for j, child in enumerate(tree.children(node)):  # tested in draw order until one is accepted
-                    self.draws[j][1] += 1
-                    if child == taken:
-                        self.draws[j][0] += 1
-                        break
-        k, m, H = verified.hidden.shape
-        feats = verified.hidden.permute(1, 0, 2).reshape(m, k * H).to(self.drafter.fc.weight.dtype)  # [m, k*H]
-        self.pending.append((ids[ids.numel() - m:], feats))
-        if verified.tree is None:
-            self.catch_up(ids)
-
-    def take_pending(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The recorded entries at once: tokens [M], features [M, k*H], rope positions [M] (n .. t - 2); the cache
-        is cut back to the committed entries first (dropping the last draft's)."""
-        kv.crop(self.cache, self.n)
-        tokens, feats = (torch.cat(x) for x in zip(*self.pending, strict=True))
-        self.pending = []
-        if self.n + tokens.numel() != ids.numel() - 1:
-            raise RuntimeError("EAGLE proposer: accept was not called after every verification")
-        return tokens, feats, torch.arange(self.n, self.n + tokens.numel(), device=ids.device)
-
-    @torch.no_grad()
-    def catch_up(self, ids: torch.Tensor) -> None:
-        """Feeds the entries recorded since the last draft in one forward (entry p: feature f_p, token x_{p+1})."""
-        if not self.pending:
-            return
-        tokens, feats, positions = self.take_pending(ids)
-        m = tokens.numel()
-        visible = torch.ones(m, self.n + m, dtype=torch.bool, device=ids.device).tril(self.n)
-        out = self._step(tokens, feats, positions, visible)  # [m, H]
-        self.n, self.last = self.n + m, out[-1]
-
-    def _draft_logits(self, out: torch.Tensor) -> torch.Tensor:
-        return self.drafter.logits(out, self.head).float()  # [.., Vd]
-
-    @torch.no_grad()
-    def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        self.catch_up(ids)
-        if self.last is None:
-            return DraftTree.empty(ids.device)
-        return self._chain(ids, sampling) if self.mode == "chain" else self._tree(ids, sampling)
-
-    def _over_target(self, qs: list[torch.Tensor]) -> torch.Tensor:
-        """Draft-vocabulary distributions [Vd] each -> one [n, V] over the target's vocabulary, zero elsewhere.
-        Drafting warps and samples the draft logits alone: the same as over the target's vocabulary with every
-        other token at -inf, without a [V]-sized tensor per drafted token."""
-        q = qs[0].new_zeros(len(qs), self.drafter.t2d.numel())
-        q[:, self.drafter.draft_ids] = torch.stack(qs)
-        return q
-
-    def _chain(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        draft_ids = self.drafter.draft_ids  # [Vd]
-        h, tokens, qs = self.last, [], []
-        for i in range(self.gamma):
-            x = int(draft_ids[draw(self._draft_logits(h), sampling, qs)])  # qs gets the [Vd] q when sampling
-            tokens.append(x)
-            if i + 1 < self.gamma:
-                visible = torch.ones(1, self.n + i + 1, dtype=torch.bool, device=ids.device)
-                pos = torch.tensor([self.n + i], device=ids.device)
-                h = self._step(torch.tensor([x], device=ids.device), h[None], pos, visible)[0]
-        return DraftTree.chain(torch.tensor(tokens, device=ids.device), self._over_target(qs) if qs else None)
-
-    def _feed(self, nodes: list[int], level: int, tokens: list[int], parents: list[int], slot: dict[int, int],
-              out_of: dict[int, torch.Tensor]) -> None:
-        """Feeds tree nodes at depth `level` to the drafter in one forward, each after the committed entries and
-        its ancestors' cache entries; records each node's cache entry (`slot`) and output [H] (`out_of`)."""
-        dev, start = self.last.device, self.n + len(slot)
-        visible = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=dev)
-        visible[:, : self.n] = True
-        for r, i in enumerate(nodes):
-            slot[i] = start + r
-            a = parents[i]
-            while a >= 0:
-                visible[r, slot[a]] = True
-                a = parents[a]
-            visible[r, slot[i]] = True
-        h_in = torch.stack([out_of[parents[i]] if parents[i] >= 0 else self.last for i in nodes])  # [F, H]
-        pos = torch.full((len(nodes),), self.n + level - 1, device=dev)
-        outs = self._step(torch.tensor([tokens[i] for i in nodes], device=dev), h_in, pos, visible)  # [F, H]
-        for r, i in enumerate(nodes):
-            out_of[i] = outs[r]
-
-    def _tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        """EAGLE-2 (greedy), the greedy chain kept: expand the chain's tip and the top_k - 1 best other frontier
-        nodes per round; keep the chain and the best nodes up to total_tokens, ordered by depth. Sampling:
-        `_sampled_tree`."""
-        if not sampling.greedy:
-            return self._sampled_tree(ids, sampling)
-        draft_ids, K = self.drafter.draft_ids, self.top_k  # [Vd]
-        tokens, parents, scores, depth = [], [], [], []  # per node
-        out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
-        slot: dict[int, int] = {}  # node -> its entry in the drafter cache
-
-        def expand(h: torch.Tensor, froms: list[int]) -> list[int]:
-            """The top_k children of `froms` (outputs h [F, H]) by log q -> indices of the new candidate nodes."""
-            top = F.log_softmax(self._draft_logits(h), -1).topk(min(K, draft_ids.numel()), -1)  # [F, k] each
-            new = []
-            for parent, values, picks in zip(froms, top.values.tolist(), top.indices.tolist(), strict=True):
-                for lq, x in zip(values, picks, strict=True):
-                    new.append(len(tokens))
-                    tokens.append(int(draft_ids[x]))
-                    parents.append(parent)
-                    scores.append(lq + (scores[parent] if parent >= 0 else 0.0))
-                    depth.append(1 + (depth[parent] if parent >= 0 else 0))
-            return new
-
-        frontier = expand(self.last[None], [-1])
-        chain = [frontier[0]]  # the greedy chain, each node its parent's top-1 child: the chain proposer's draft
-        for level in range(1, self.depth):
-            frontier = [chain[-1], *sorted((i for i in frontier if i != chain[-1]), key=lambda i: -scores[i])[:K - 1]]
-            self._feed(frontier, level, tokens, parents, slot, out_of)
-            frontier = expand(torch.stack([out_of[i] for i in frontier]), frontier)
-            chain.append(frontier[0])  # the chain's tip is expanded first
-        keep = chain[: self.total_tokens]
-        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i]))  # closed under ancestors, any prefix
-        keep += [i for i in best if i not in chain][: self.total_tokens - len(keep)]
-        return kept_tree(sorted(keep, key=lambda i: (depth[i], i)), tokens, parents, ids.device)
-
-    def shape(self) -> list[int]:
-        """The sampled tree's shape from the learnt draw chances alone (the class docstring): parents per node,
-        -1 for the root's, parents before children, by depth, a node's children in draw order."""
-        chance, left = [], 1.0  # chance[j]: the j-th draw is the accepted child; non-increasing in j
-        for accepted, tested in self.draws:
-            a = accepted / tested
-            chance.append(min(left * a, chance[-1] if chance else 1.0))
-            left *= 1 - a
-        log_c = [math.log(c) for c in chance]  # each a_j lies strictly within (0, 1) (ALPHA_PRIOR)
-        # best first: a popped node (parent, j) offers its next sibling and its first child, neither likelier than
-        # it, so the pops are the likeliest nodes, closed under ancestors and earlier draws
-        heap, nodes = [(-log_c[0], 1, 0, -1, 0)], []  # (-log reach, depth, tie-break, parent, j); nodes: (parent, depth)
-        while heap and len(nodes) < self.total_tokens:
-            score, d, _, parent, j = heapq.heappop(heap)
-            nodes.append((parent, d))
-            if j + 1 < len(log_c):
-                heapq.heappush(heap, (score - log_c[j + 1] + log_c[j], d, len(nodes), parent, j + 1))
-            if d < self.depth:
-                heapq.heappush(heap, (score - log_c[0], d + 1, len(nodes), len(nodes) - 1, 0))
-        order = sorted(range(len(nodes)), key=lambda i: (nodes[i][1], i))  # by depth, draw order kept
-        index = {old: new for new, old in enumerate(order)}
-        return [index[nodes[i][0]] if nodes[i][0] >= 0 else -1 for i in order]
-
-    def _sampled_tree(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        """`shape()` filled level by level: each parent's children are its first draws without replacement from
-        its warped q (fewer where q has fewer tokens: the missing draws' subtrees are dropped)."""
-        draft_ids, parents = self.drafter.draft_ids, self.shape()  # [Vd]
-        lay = layout(parents)
-        n, levels = len(parents), lay.depth[1:].tolist()
-        tokens, qs, alive = [0] * n, [None] * n, [False] * n
-        out_of: dict[int, torch.Tensor] = {}  # node -> drafter output after feeding it [H]
-        slot: dict[int, int] = {}  # node -> its entry in the drafter cache
-        for level in range(1, max(levels, default=0) + 1):
-            froms = sorted({parents[i] for i in range(n) if levels[i] == level and (parents[i] < 0 or alive[parents[i]])})
-            if level > 1:
-                self._feed(froms, level - 1, tokens, parents, slot, out_of)
-            h = torch.stack([out_of[a] if a >= 0 else self.last for a in froms])  # [F, H]
-            for a, q in zip(froms, warp(self._draft_logits(h), sampling), strict=True):  # [Vd] per parent
-                kids = lay.kids[a + 1]  # in draw order
-                k = min(len(kids), int((q > 0).sum()))
-                # k sequential draws without replacement, each from q renormalised over what is left (multinomial
-                # without replacement draws exactly so, in this order); draw j's q has draws 0..j-1 zeroed
-                picks = torch.multinomial(q, k, replacement=False, generator=sampling.generator)  # [k]
-                drawn = F.one_hot(picks, q.numel()).to(q.dtype)  # [k, Vd]
-                left = q * (1 - (drawn.cumsum(0) - drawn))  # [k, Vd]
-                for i, x, q_node in zip(kids, picks.tolist(), left / left.sum(-1, keepdim=True), strict=False):
-                    tokens[i], qs[i], alive[i] = int(draft_ids[x]), q_node, True
-        keep = [i for i in range(n) if alive[i]]
-        return kept_tree(keep, tokens, parents, ids.device, self._over_target([qs[i] for i in keep]))
-
-
-def kept_tree(keep: list[int], tokens: list[int], parents: list[int], device, q: torch.Tensor | None = None
-              ) -> DraftTree:
-    """The nodes `keep` (a list closed under parents, parents first) of a candidate tree, renumbered."""
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree(torch.tensor([tokens[i] for i in keep], device=device),
-                     torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], device=device), q)
-
-
-def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
-    """The leaderboard's ways to decode with an EAGLE drafter (on the target's embedding and LM head): a chain, and
-    the EAGLE-2 tree at scripts/bench_eagle.py's CPU size (top 8 per node, 5 rounds, 24 nodes kept)."""
-    first = load_proposer(drafter_dir, target)
-    runs = [first.drafter, first.embed, first.head]
-
-    def proposer(**kwargs) -> EagleProposer:
-        return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, **kwargs)
-    return {"chain": Drafting(target, lambda g: proposer(mode="chain", gamma=g), runs, gamma=5),
-            "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}

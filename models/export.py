@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.core import DiskFull, check_free, dir_bytes, is_disk_full, one_line, read_drafter_meta
+from draftsmith.data.core import (
+    REDO_EXPORT,
+    DiskFull,
+    check_free,
+    dir_bytes,
+    is_disk_full,
+    one_line,
+    read_drafter_meta,
+    read_file,
+)
 from draftsmith.models.target import target_fields
 
 EXPORT_FILE = "draftsmith_export.json"  # in every export: method, format and the target it verifies with
@@ -88,7 +97,7 @@ def record_target(tmp: Path, drafter_dir: Path, name: str) -> None:
     """Add method, format, target and the drafter it came from to the export's draftsmith_export.json."""
     meta = read_drafter_meta(drafter_dir)
     side = tmp / EXPORT_FILE
-    record = json.loads(side.read_text()) if side.is_file() else {}
+    record = read_file(side, REDO_EXPORT) if side.is_file() else {}
     decoding = {k: meta[k] for k in ("tree_choices", "exit_layer", "gamma") if k in meta}  # as checkpoints decoded
     write_json(side, {**record, "method": meta["method"], "format": name, **target_fields(meta),
                       "drafter": str(Path(drafter_dir).resolve()), **decoding})

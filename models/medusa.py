@@ -25,10 +25,17 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from draftsmith.data.core import ConfigError, collate, read_drafter_meta, write_drafter_meta
+from draftsmith.data.core import (
+    REDO_DRAFTER,
+    ConfigError,
+    collate,
+    read_drafter_meta,
+    read_file,
+    write_drafter_meta,
+)
 from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
@@ -306,7 +313,7 @@ def load_medusa(path: str | Path, target: Target | None = None, dtype: torch.dty
         target = Target(PeftModel.from_pretrained(target.model, path / "adapter").merge_and_unload(),
                         target.tokenizer, meta["target"])
         target.model.requires_grad_(False)
-    state = load_file(path / HEADS_FILE)
+    state = read_file(path / HEADS_FILE, REDO_DRAFTER)
     heads = MedusaHeads(meta["hidden_size"], meta["vocab_size"], cfg["num_heads"], cfg["num_layers"],
                         target.lm_head, cfg["share_lm_head"])
     heads.load_state_dict(state)

@@ -23,12 +23,12 @@ Every loader returns a `MedusaDrafter` (backbone + heads) read the way that form
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.export import Format, write_json
 from draftsmith.models.medusa import MedusaDrafter, MedusaHeads, load_medusa
 from draftsmith.models.target import Target, load_target
@@ -87,9 +87,9 @@ def _load_base(base: str, path: Path) -> Target:
 
 def load_medusa_format(path: Path) -> MedusaDrafter:
     """The original Medusa loader's reading: per-head ResBlocks then per-head projection."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_file(path / "config.json", REDO_EXPORT)
     K, L = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
-    heads = _heads_from_medusa(load_file(path / HEAD_FILE), K, L)
+    heads = _heads_from_medusa(read_file(path / HEAD_FILE, REDO_EXPORT), K, L)
     target = _load_base(cfg.get("base_model_name_or_path", ""), path)
     return MedusaDrafter(target, heads.eval(), "medusa")
 
@@ -97,10 +97,10 @@ def load_medusa_format(path: Path) -> MedusaDrafter:
 def load_tgi(path: Path) -> MedusaDrafter:
     """TGI's MedusaHeadV1 reading: speculator = config.json without `architectures`; biased ResBlocks
     "{h}.{j}.linear" and an unbiased projection "{h}.{L}" for each of medusa_num_heads heads."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_file(path / "config.json", REDO_EXPORT)
     if "architectures" in cfg:
         raise ValueError(f"{path}/config.json has `architectures`: TGI would not read it as Medusa heads")
-    tensors = load_file(path / HEAD_FILE)
+    tensors = read_file(path / HEAD_FILE, REDO_EXPORT)
     K, L = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
     for k in range(K):
         for j in range(L):
@@ -133,10 +133,10 @@ def write_vllm(drafter_dir: Path, tmp: Path, final: Path) -> None:
 def load_vllm(path: Path) -> MedusaDrafter:
     """vLLM's Medusa reading: ResidualBlock layers (bias iff medusa_fc_bias), one lm_head per head or,
     with original_lm_head, lm_heads.0 shared by all."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_file(path / "config.json", REDO_EXPORT)
     if cfg.get("model_type") != "medusa":
         raise ValueError(f"{path}/config.json: model_type is {cfg.get('model_type')!r}, vLLM expects 'medusa'")
-    tensors = load_file(path / "model.safetensors")
+    tensors = read_file(path / "model.safetensors", REDO_EXPORT)
     K, L, V = cfg["num_heads"], cfg["num_hidden_layers"], cfg["vocab_size"]
     if cfg.get("truncated_vocab_size", V) != V:
         raise ValueError(f"{path}: truncated_vocab_size without a token_map is not supported")
@@ -165,7 +165,7 @@ def load_hf(path: Path) -> MedusaDrafter:
     """AutoModelForCausalLM from the directory itself, heads from medusa_lm_head.safetensors."""
     target = load_target(path)
     c = target.config
-    heads = _heads_from_medusa(load_file(path / HEAD_FILE), c.medusa_num_heads, c.medusa_num_layers)
+    heads = _heads_from_medusa(read_file(path / HEAD_FILE, REDO_EXPORT), c.medusa_num_heads, c.medusa_num_layers)
     return MedusaDrafter(target, heads.eval(), "hf")
 
 

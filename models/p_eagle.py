@@ -31,13 +31,10 @@ from draftsmith.decoding.bench import Drafting
 from draftsmith.decoding.proposers import draw
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.eagle import (
-    Eagle,
-    EagleConfig,
-    EagleDrafter,
-    EagleProposer,
-    load_drafter,
-)
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
+from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.target import Target
 
 

@@ -1,6 +1,6 @@
 """P-EAGLE export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm --out DIR
+    draftsmith export RUN --format vllm --out DIR
 
 vllm   vLLM's parallel drafting (`--speculative-config '{"method": "eagle3", "model": DIR,
        "num_speculative_tokens": K, "parallel_drafting": true}'`, vllm/model_executor/models/llama_eagle3.py):
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
-from draftsmith.models.eagle import EagleDrafter, load_drafter
+from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
 from draftsmith.models.eagle_export import (
     VLLM_IDS,
     _eagle3,

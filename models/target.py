@@ -10,8 +10,7 @@ i.e. the input to layer i).
 
 from __future__ import annotations
 
-import json
-import struct
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -21,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.data.core import DamagedFile, read_file, safetensors_damage, what_is_wrong
 from draftsmith.models.zoo import NAMED_TARGETS, resolve_target
 
 REFERENCE_TARGET = Path(__file__).resolve().parent / "reference-target"
@@ -99,23 +99,6 @@ def target_fields(meta: dict) -> dict[str, str]:
     return {"target": target_reference(meta["target"]) if meta.get("target") else "", "target_as_given": given}
 
 
-def safetensors_damage(f: Path) -> str:
-    """Why a .safetensors file cannot be whole (truncated, or a header that does not parse), or ''."""
-    size = f.stat().st_size
-    try:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n)) if 8 + n <= size else None
-    except (struct.error, ValueError, UnicodeDecodeError):
-        return f"{f.name} has no readable safetensors header ({size} bytes)"
-    if header is None:
-        return f"{f.name} is truncated ({size} bytes, shorter than its header)"
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if size != 8 + n + end:
-        return f"{f.name} is truncated or damaged ({size} bytes, its header needs {8 + n + end})"
-    return ""
-
-
 def check_target(path: str, key: str = "target.path") -> None:
     """Refuse, in one line, a target directory that cannot load: missing, no config.json, no weights, weights
     truncated or missing shards. A name that is not a local path is left to the hub."""
@@ -129,7 +112,7 @@ def check_target(path: str, key: str = "target.path") -> None:
         raise FileNotFoundError(f"{key}={path} has no config.json; give a Hugging Face model directory "
                                 "(save_pretrained output)")
     index = next(iter(sorted(p.glob("*.safetensors.index.json"))), None)
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else \
+    shards = sorted(set(read_file(index, "re-download or re-save the model")["weight_map"].values())) if index else \
         [f.name for f in sorted(p.glob("*.safetensors"))]
     if not shards and not any(p.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"{key}={path} holds no weights (model.safetensors or pytorch_model.bin); "
@@ -137,8 +120,7 @@ def check_target(path: str, key: str = "target.path") -> None:
     for name in shards:
         why = "is missing" if not (p / name).is_file() else safetensors_damage(p / name)
         if why:
-            why = why if why.startswith(name) else f"{name} {why}"
-            raise ValueError(f"{key}={path}: {why}; re-download or re-save the model")
+            raise ValueError(f"{key}={path}: {name} {why}; re-download or re-save the model")
 
 
 def load_target(path: str | Path = REFERENCE_TARGET, dtype: torch.dtype | str = torch.float32,
@@ -153,7 +135,10 @@ def load_target(path: str | Path = REFERENCE_TARGET, dtype: torch.dtype | str = 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e):
+            raise DamagedFile(f"target.path={path}: its pytorch_model*.bin {what_is_wrong(e)}; use a safetensors copy of "
+                              "the model (or re-save it with save_pretrained from a source you trust)") from None
         where = "the directory" if Path(path).expanduser().exists() else "a hub id (not a local directory)"
         raise ValueError(f"target.path={path} ({where}) does not load: {' '.join(str(e).split())[:300]}") from None
     model.requires_grad_(not frozen)

@@ -7,7 +7,7 @@ the same data for the same wall-clock budget; and EAGLE-3's peak training memory
 
 Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides (the `d_` ones: one factor
 at a time from the shipped EAGLE-3 default; the `e3_frozen` ones from the default of stop 23), trained by
-scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
+`draftsmith bench`'s `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
 lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
 end (its drafter is what is measured). With `--concurrent N`, N variants train at once with one thread each,
 so that the variants of a group share the cores equally for the same wall-clock budget (N = 4 on 2 cores and a
@@ -56,7 +56,7 @@ from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import bench
 from draftsmith.train.config import shipped
-from draftsmith.train.eagle import heldout_metrics
+from draftsmith.train.eagle import heldout_batches, heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -310,7 +310,8 @@ def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> 
 def screen(run: Path, target, rows: list[dict]) -> dict:
     """The drafter's held-out per-step top-1 agreement and temperature-1 acceptance, and the chain tau they predict."""
     with torch.no_grad():
-        m = heldout_metrics(load_eagle(find_drafter(run), target).eval(), rows, SCREEN_STEPS)
+        method = load_eagle(find_drafter(run), target).eval()
+        m = heldout_metrics(method, heldout_batches(method, rows), SCREEN_STEPS)
     out = {"expected_tau": round(m["expected_tau"], 4), "expected_tau_t1": round(m["expected_tau_t1"], 4),
            **{name: [round(m[f"heldout_{name}_{k}"], 4) for k in range(SCREEN_STEPS)] for name in ("acc", "accept")}}
     print(f"  expected tau T=0 {out['expected_tau']:.3f}, T=1 {out['expected_tau_t1']:.3f}", flush=True)
@@ -320,7 +321,8 @@ def screen(run: Path, target, rows: list[dict]) -> dict:
 MEMORY_STEP = """
 import ctypes, json, sys, torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-from draftsmith.models.eagle import Eagle, EagleConfig
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.target import Target, load_target
 vocab, chunk, draft, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)

@@ -22,7 +22,8 @@ import torch
 
 def prepare(run: Path, out: Path) -> None:
     from draftsmith.models import registry
-    from draftsmith.models.eagle import additive, load_eagle
+    from draftsmith.models.eagle import load_eagle
+    from draftsmith.models.eagle_drafter import additive
 
     m = load_eagle(run).eval()
     registry.export(run, "speculators", out / "export")

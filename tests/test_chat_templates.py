@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from draftsmith.data.chat import (
     NoAssistantTokens,
     TemplateMismatch,
+    UnreadableContent,
     has_generation_markers,
     mask_from_spans,
     to_messages,
@@ -126,6 +127,35 @@ def test_mask_token_by_token(name, trim_offsets):
     assert not has_generation_markers(tokenizer.chat_template)  # the fallback path: incremental rendering
     expected = [f.turn_prefix + answer + f.end_of_turn for _, answer in TURNS]
     check_mask(tokenizer, conversation(system=f.system), expected)
+
+
+def as_parts(messages: list[dict[str, str]]) -> list[dict]:
+    """OpenAI's other content shape: each turn's text split into two text parts at its middle."""
+    return [{**m, "content": [{"type": "text", "text": m["content"][: len(m["content"]) // 2]},
+                              {"type": "text", "text": m["content"][len(m["content"]) // 2:]}]} for m in messages]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_list_of_text_parts_masks_token_by_token(name):
+    f = FAMILIES[name]
+    tokenizer = family_tokenizer(name)
+    messages = conversation(system=f.system)
+    row = {"messages": as_parts(messages)}
+    assert to_messages(row) == messages
+    check_mask(tokenizer, to_messages(row), [f.turn_prefix + answer + f.end_of_turn for _, answer in TURNS])
+    assert tokenize_example(tokenizer, row) == tokenize_messages(tokenizer, messages)
+
+
+@pytest.mark.parametrize("content, said", [
+    (None, "content null"), ([], "content no parts"), (7, "content a int"),
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+     r"content parts of type \['image_url', 'text'\]")])
+def test_content_that_is_not_text_is_refused_naming_the_turn(content, said):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]}
+    with pytest.raises(UnreadableContent, match=f"turn 1 \\(assistant\\) has {said}, not text"):
+        to_messages(row)
+    with pytest.raises(UnreadableContent, match="turn 0 \\(user\\) has content null"):
+        to_messages({"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]})
 
 
 QWEN_ASSISTANT_LINE = (

@@ -133,6 +133,21 @@ def test_no_assistant_is_an_error_by_default(tokenizer, tmp_path):
         D.prepare(cfg, tokenizer)
 
 
+def test_content_as_text_parts_reads_and_null_content_is_refused_or_counted(tokenizer, tmp_path):
+    path = tmp_path / "data.jsonl"
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in CONVERSATIONS[1]]
+    null = [CONVERSATIONS[0][0], {"role": "assistant", "content": None}]
+    rows = [{"messages": CONVERSATIONS[0]}, {"messages": parts}, {"messages": null}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"{path} row 2: turn 1 \(assistant\) has content null, not text \(1 of 3 "
+                                         r"examples have such a turn\); .*data.on_unreadable=drop"):
+        D.build_dataset(D.DataConfig(path=str(path), cache=False), tokenizer)
+    ds, stats = D.prepare(D.DataConfig(path=str(path), on_unreadable="drop", cache=False), tokenizer)
+    assert (stats.read, stats.unreadable, stats.kept) == (3, 1, 2)
+    assert ds.to_list() == [tokenize_example(tokenizer, {"messages": c}) for c in CONVERSATIONS[:2]]
+    assert "1 with unreadable content" in stats.summary()
+
+
 def test_cache_hit_and_invalidation(tokenizer, tmp_path, monkeypatch):
     path = write_all_formats(tmp_path)["jsonl"]
     cfg = D.DataConfig(path=str(path), max_length=512, cache_dir=str(tmp_path / "cache"))

@@ -46,13 +46,15 @@ RECIPES = {
 # 0.10 in one step, and the divergence stop rightly ends the run
 DISTILL = [o.replace("loop.lr=1e-2", "loop.lr=1e-4") for o in TINY if "heldout" not in o]
 EXIT = ["eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]
-OTHERS = {  # the remaining recipes, run under every launcher config by the slow matrix test
+OTHERS = {  # the remaining recipes; the slow matrix test runs these and RECIPES under every launcher config
     "medusa2": ("train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml",
                 [*TINY, "eval.tree_budget=4", "eval.tree_ranks=2"]),
     "eagle1": ("train/eagle.py", "recipes/eagle/tiny-code.yaml", TINY),
     "distill": ("train/distill.py", "recipes/distill/tiny-code.yaml", DISTILL),
     "distill-on-policy": ("train/distill.py", "recipes/distill/on-policy-tiny-code.yaml", DISTILL),
     "layerskip": ("train/layerskip.py", "recipes/layerskip/tiny-code.yaml", [*TINY, *EXIT]),
+    "p_eagle": ("train/p_eagle.py", "recipes/p_eagle/tiny-code.yaml", TINY),
+    "dflash": ("train/dflash.py", "recipes/dflash/tiny-code.yaml", [*TINY, "dflash.aux_layers=[1,2,3]"]),
 }
 LORA = [*TINY, "layerskip.lora=true", *EXIT]
 REFUSED = {  # combinations that must stop at start: name -> (entry, recipe, overrides, launcher config, message)
@@ -296,9 +298,8 @@ def test_unsupported_combination_is_refused_at_start(name, tiny_chat_target, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "zero2", "zero3", "fsdp2"])
-@pytest.mark.parametrize("recipe", list(OTHERS))
-def test_every_other_recipe_trains_evaluates_and_checkpoints_under_each_config(recipe, config, tiny_chat_target,
-                                                                                 tmp_path):
+@pytest.mark.parametrize("recipe", [*RECIPES, *OTHERS])
+def test_every_recipe_trains_evaluates_and_checkpoints_under_each_config(recipe, config, tiny_chat_target, tmp_path):
     """4 steps with checkpoints at 2 and 4: DDP and FSDP2 on 2 processes, ZeRO-2/3 on one (all the CPU allows)."""
     processes = 1 if config.startswith("zero") else 2
     run = tmp_path / "run"

@@ -12,24 +12,16 @@ import torch
 from conftest import chi2_two_tokens, randomise, script, train_steps
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data.core import collate
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling, accept_exact
-from draftsmith.models.eagle import (
-    Eagle,
-    EagleConfig,
-    EagleProposer,
-    ForwardKL,
-    additive,
-    aux_layers,
-    default_aux_layers,
-    draft_vocab,
-    later_positions,
-    load_eagle,
-    ttt_attention,
-)
+from draftsmith.models.eagle import Eagle, ForwardKL, draft_vocab, later_positions, load_eagle
+from draftsmith.models.eagle_config import EagleConfig, aux_layers, default_aux_layers
+from draftsmith.models.eagle_drafter import TTTPast, additive, ttt_attention
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
@@ -451,7 +443,7 @@ def test_ttt_attention_is_the_cached_attention_with_an_identity_block_per_later_
     seq = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])  # [b, s] row 0 packs two sequences
     causal = (seq[:, :, None] == seq[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()  # [b, s, s]
     t = torch.stack([torch.randperm(s, generator=g)[:n].sort().values for _ in range(b)])  # [b, n] later steps' queries
-    past, cache = [], kv.new_cache()
+    past, cache = TTTPast(), kv.new_cache()
     for k in range(3):
         q_at = torch.arange(s).expand(b, s) if k == 0 else t  # [b, m]
         x = torch.randn(b, q_at.shape[1], attn.q_proj.in_features, generator=g)  # [b, m, 2H]
@@ -460,6 +452,27 @@ def test_ttt_attention_is_the_cached_attention_with_an_identity_block_per_later_
         mask = torch.cat([visible] + [torch.eye(n, dtype=torch.bool).expand(b, n, n)] * k, -1)  # [b, m, s + k n]
         want = attn(x, position_embeddings=rope, attention_mask=additive(mask)[:, None], cache=cache)[0]
         torch.testing.assert_close(ttt_attention(attn, x, rope, visible, past), want, atol=1e-5, rtol=1e-5)
+
+
+def rebuilt(x):
+    """What DeepSpeed ZeRO-3's forward hooks hand a module: every list and tuple argument a new one."""
+    return type(x)(rebuilt(y) for y in x) if isinstance(x, (list, tuple)) else x
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_training_time_test_survives_hooks_that_rebuild_list_arguments(training):
+    """Under ZeRO-3 every module's forward gets its list arguments rebuilt; the keys of earlier steps must still
+    reach the later ones (they were lost, and the later steps' shorter queries failed against step 0's mask)."""
+    m = method(3, ttt_steps=3)
+    m.train(training)
+    bt = batch(b=2, s=13)
+    bt["loss_mask"][:, :5] = 0  # later steps run on fewer positions than step 0 in training
+    want = m.ttt(bt)
+    for module in m.drafter.modules():
+        module.register_forward_pre_hook(lambda mod, args: rebuilt(args))
+    got = m.ttt(bt)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1] == want[1]
 
 
 @pytest.mark.parametrize("loss", ["kl", "lk"])
@@ -749,6 +762,23 @@ def run_recipe(entry: str, recipe: str, target: Path, out: Path, *extra: str):
                                "data.limit=40", "data.max_length=160", "data.cache=false", "eval.heldout_examples=12",
                                "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2", "loop.log_every=1",
                                "loop.max_steps=4", "loop.save_every=2", "loop.lr=3e-3", *extra])
+
+
+@pytest.mark.parametrize("version,draft_ids", [(1, None), (3, torch.arange(0, V, 3))])
+def test_heldout_metrics_from_kept_target_features_equal_those_from_target_forwards(version, draft_ids):
+    """The checkpoint evaluation runs the target over the held-out rows once (`heldout_batches`); every later
+    evaluation's metrics equal those of running the target again."""
+    entry, m = script("train/eagle.py"), method(version, 3, draft_ids)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+            for n in (14, 9, 12, 7, 10)]  # ragged: padded batches
+    online = entry.heldout_metrics(m, [collate(rows[i: i + 2]) for i in range(0, len(rows), 2)], 4)
+    batches = entry.heldout_batches(m, rows, batch_size=2)
+    assert {"hidden", "aux", "log_z", "greedy"} & set(batches[0]) == ({"hidden"} if version == 1 else
+                                                                       {"hidden", "aux", "log_z", "greedy"})
+    kept = entry.heldout_metrics(m, batches, 4)
+    assert kept.keys() == online.keys() and "heldout_cond_acc_3" in kept
+    assert kept == pytest.approx(online, abs=1e-5)
 
 
 def test_shipped_recipes_parse():

@@ -15,7 +15,10 @@ from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models import registry as R
-from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafter, EagleProposer, additive, load_drafter
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
+from draftsmith.models.eagle_drafter import EagleDrafter, additive, load_drafter
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.target import Target
 from draftsmith.train import export as export_command
 

@@ -16,7 +16,7 @@ from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.eagle import EagleConfig
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.p_eagle import PEagle, PEagleProposer
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target

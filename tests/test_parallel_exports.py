@@ -18,7 +18,7 @@ from draftsmith.decoding.verify import Sampling
 from draftsmith.models import export as E
 from draftsmith.models import registry as R
 from draftsmith.models.dflash import DFlash, DFlashConfig, DFlashProposer
-from draftsmith.models.eagle import EagleConfig
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.p_eagle import PEagle, PEagleProposer
 from draftsmith.models.target import Target
 

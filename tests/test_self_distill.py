@@ -1,4 +1,4 @@
-"""Self-distilled data for real targets: the prompt builder and scripts/self_distill.py end to end (tiny target)."""
+"""Self-distilled data for real targets: the prompt builder and `draftsmith self-distill` end to end (tiny target)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,26 @@ def test_a_base_model_without_a_chat_template_continues_text(tiny_chat_target, t
     assert len(rows) == settings["answered"]["train"] and all(sum(r["loss_mask"]) > 0 for r in rows)
     prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")
     assert len(prompts) == settings["answered"]["heldout"] and all("prompt" in p for p in prompts)
+
+
+def test_self_distill_through_a_server_answers_as_in_process_and_records_it(tiny_chat_target, tmp_path):
+    """`--server URL` (tests/openai_server.py, serving the same weights greedily): the same answers as the in-process
+    path, and settings.json names the server that answered; --finalize needs no server."""
+    from openai_server import FakeServer, greedy
+
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "24", "--max-new-tokens", "5", "--batch-size", "4",
+            "--temperature", "0", "--out", str(tmp_path / "out")]
+    self_distill.main(args + ["--work", str(tmp_path / "here")])
+    with FakeServer(greedy(tiny_chat_target)) as server:
+        self_distill.main(args + ["--work", str(tmp_path / "served"), "--server", server.url])
+    assert server.most_in_flight == 4
+    self_distill.main(args + ["--work", str(tmp_path / "served"), "--server", server.url, "--finalize"])
+
+    def answers(work: str) -> dict:
+        return {r["id"]: r for r in map(json.loads, open(tmp_path / work / "answers.jsonl"))}
+    served = answers("served")
+    assert len(served) == 24 and served == answers("here")
+    assert any(r["kind"] == "multi_turn" for r in served.values())
+    settings = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert [a.get("server") for a in settings["answered_by"]] == [server.url]
+    assert settings["sampling"]["temperature"] == 0 and settings["command"].endswith(f"--server {server.url}")

@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.data.dataset import build_dataset, cache_key
 from draftsmith.data.hidden_cache import CacheError, write_cache
-from draftsmith.models.eagle import aux_layers
+from draftsmith.models.eagle_config import aux_layers
 from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C

@@ -17,7 +17,7 @@ import yaml
 
 import draftsmith.data
 import draftsmith.models
-from draftsmith.data.core import ConfigError
+from draftsmith.data.core import ConfigError, read_file
 from draftsmith.data.reference import PROMPTS_PATH
 from draftsmith.models.target import TargetConfig
 from draftsmith.recipes import RECIPES
@@ -251,14 +251,19 @@ def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
         path = Path(shipped(str(path)))
         if not path.is_file():
             raise ConfigError(f"recipe {path} not found; pass --config with a YAML file under recipes/")
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = read_file(path, "fix the recipe (YAML: `section:` lines, then indented `key: value` lines)") or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"recipe {path}: top level must be a mapping")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. loop.lr=3e-4)")
         key, value = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(value) if value.strip() else "")
+        try:
+            value = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)}); quote "
+                              "it or fix the brackets") from None
+        _set_dotted(tree, key.strip(), value)
     return build(cls, _shipped_paths(tree))
 
 

@@ -5,7 +5,7 @@
 Loads the target frozen, builds the draft (`distill.init`: the target's first layers copied, a
 narrower config, or an existing checkpoint; its tokenizer is checked against the target's before
 anything trains), builds the offline sequences (the fixed dataset, the target's regenerated
-answers from scripts/regenerate.py, or both) with the target's tokenizer and chat template
+answers from `draftsmith regenerate`, or both) with the target's tokenizer and chat template
 (assistant tokens only in the loss), and hands the method (models/distill.py) to the shared loop.
 At every checkpoint tau is measured by real speculative decoding of held-out prompts with the
 decoder's draft-model proposer; the best checkpoint by `loop.best_metric` (tau) is kept in `best/`,
@@ -56,7 +56,7 @@ def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
     regenerated = cfg.distill.regenerated
     if cfg.distill.sequences != "fixed" and not Path(regenerated).is_file():
         raise C.ConfigError(f"distill.regenerated: {regenerated} not found; write it with "
-                            "scripts/regenerate.py --target <target> --out <file>.jsonl")
+                            "draftsmith regenerate --target <target> --out <file>.jsonl")
     data = {"fixed": cfg.data, "regenerated": dataclasses.replace(cfg.data, path=regenerated),
             "mixed": dataclasses.replace(cfg.data, extra=[*cfg.data.extra, regenerated])}[cfg.distill.sequences]
     return build_dataset(data, tokenizer)

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.data.core import DRAFTER_FILE, read_drafter_meta
+from draftsmith.data.core import DRAFTER_FILE, REDO_EXPORT, read_drafter_meta, read_file
 from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.decoding.proposers import DraftModel
-from draftsmith.models.eagle import EagleProposer
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.export import EXPORT_FILE
 from draftsmith.models.layerskip import early_exit
 from draftsmith.models.medusa import MedusaProposer, chain_choices
@@ -74,7 +74,7 @@ def recorded_target(spec: str) -> str:
     """The target a drafter directory or export records (drafter.json / draftsmith_export.json), else the reference;
     a LayerSkip checkpoint verifies with itself."""
     d = Path(spec.removeprefix("draft:"))
-    export = json.loads((d / EXPORT_FILE).read_text()) if (d / EXPORT_FILE).is_file() else {}
+    export = read_file(d / EXPORT_FILE, REDO_EXPORT) if (d / EXPORT_FILE).is_file() else {}
     meta = read_drafter_meta(d) if (d / DRAFTER_FILE).is_file() else {}
     if export.get("target"):
         return export["target"]
@@ -85,7 +85,7 @@ def recorded_target(spec: str) -> str:
 
 def export_proposer(path: Path, target_path: str, gamma: int | None, dtype: torch.dtype):
     """(verifying model, tokenizer, proposer) for an export of any format, read back through its own loader."""
-    side = json.loads((path / EXPORT_FILE).read_text())
+    side = read_file(path / EXPORT_FILE, REDO_EXPORT)
     loaded = load(side["method"], side["format"], path)
     if side["method"] == "layerskip":  # the export is the target; its first E layers draft
         model, exit_layer = loaded

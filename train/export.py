@@ -1,6 +1,6 @@
 """Export a trained drafter to a serving format.
 
-    draftsmith export RUN --format medusa|tgi|vllm|hf|sglang|speculators --out DIR [--overwrite]
+    draftsmith export RUN --format medusa|tgi|vllm|hf|sglang|speculators|gguf --out DIR [--overwrite]
 
 RUN is a run directory (its best/ checkpoint is used, else the latest checkpoint's model/), or a
 drafter directory itself. The export is written to a temporary directory and renamed into place,

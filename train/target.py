@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data.chat import tokenize_example
-from draftsmith.data.core import best_record
+from draftsmith.data.core import best_record, read_file
 from draftsmith.data.packing import pack
 from draftsmith.data.reference import chat_examples, corpus_fingerprint, stdlib_files, write_heldout_prompts
 from draftsmith.data.tokenizer import END, train_bpe
@@ -158,7 +158,8 @@ def publish(cfg: Recipe, run_dir: Path, train_tokens: int, tokens_per_s: float) 
     (tmp / "best.json").unlink()
     tokens_per_step = cfg.loop.batch_size * cfg.loop.grad_accum * cfg.data.seq_len
     prior = Path(cfg.init_from) / "training.json"
-    stages = json.loads(prior.read_text())["stages"] if cfg.init_from and prior.is_file() else []
+    stages = read_file(prior, "pass init_from= a target this command wrote whole")["stages"] \
+        if cfg.init_from and prior.is_file() else []
     stages.append({"command": (run_dir / "command.txt").read_text().strip(), "best_step": best["step"],
                    "tokens": best["step"] * tokens_per_step, "tokens_per_s": round(tokens_per_s, 1)})
     (tmp / "training.json").write_text(json.dumps({"stages": stages}, indent=2) + "\n")

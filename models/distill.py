@@ -46,6 +46,7 @@ from draftsmith.decoding.proposers import DraftModel, check_same_tokenizer, trun
 from draftsmith.models.export import Format
 from draftsmith.models.llama_cpp import gguf_format
 from draftsmith.models.lm import masked_ce, masked_mean
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, target_fields
 
 LOSSES = ("ce", "fkl", "rkl", "jsd", "tvd")
@@ -220,7 +221,7 @@ def sample_on_policy(draft: nn.Module, prompts: list[torch.Tensor], max_new_toke
 
 # ---- the method --------------------------------------------------------------------------------------
 
-class Distill(nn.Module):
+class Distill(MethodBase):
     """The training method: the draft learns the target's next-token distributions (target frozen)."""
 
     def __init__(self, target: Target, draft: nn.Module, cfg: DistillConfig):

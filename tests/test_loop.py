@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.lm import CausalLM
@@ -254,3 +255,8 @@ def test_loops_in_one_process_may_choose_other_precisions(tmp_path):
         loop = Loop(loop_cfg(tmp_path / str(i), max_steps=2, mixed_precision=precision), tiny_method(), Recorder())
         assert loop.accelerator.mixed_precision == precision
         loop.run()
+
+
+def test_a_module_that_does_not_meet_the_method_contract_is_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="Linear does not meet the method contract .* lacks progress, measuring"):
+        Loop(loop_cfg(tmp_path), nn.Linear(2, 2), Recorder())

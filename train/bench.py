@@ -82,6 +82,7 @@ from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.config import shipped
 from draftsmith.train.entries import TRAIN
+from draftsmith.train.guard import cli
 
 # ---- the methods ---------------------------------------------------------------------------------------
 
@@ -516,4 +517,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

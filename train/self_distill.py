@@ -33,6 +33,7 @@ from draftsmith.data.core import read_file
 from draftsmith.data.prompts import build_prompts, build_text_prompts
 from draftsmith.data.server import Server
 from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import cli
 from draftsmith.train.regenerate import (
     answered,
     complete,
@@ -174,4 +175,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -2,11 +2,13 @@
 
     python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
     python scripts/self_distill.py --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
+    python scripts/self_distill.py --target smollm2-135m-instruct --more-prompts 1000  # 1,000 training prompts more
     python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
-turn. A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
+turn; `--more-prompts M` adds M training prompts to the --num-prompts ones, the held-out split unchanged.
+A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
 openings instead (stdlib function headers with docstrings, prose) and continues them: rows of `text`. The target answers each one through train/regenerate.py's batched generation (held-out prompts
 first), or through an OpenAI-compatible server serving the same weights (`--server URL`, --batch-size
 requests at once; see `draftsmith regenerate`), appending to `runs/self_distill/NAME/answers.jsonl`, so an
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.data.prompts import build_prompts, build_text_prompts
+from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
 from draftsmith.data.server import Server
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.regenerate import (
@@ -63,7 +65,8 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
             if r["split"] == "heldout":
                 prompt = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"][:-1]}
                 fh.write(json.dumps({"id": r["id"], "kind": r["kind"], **prompt}, ensure_ascii=False) + "\n")
-    prompts = [json.loads(line) for line in open(work / "prompts.jsonl")]
+    prompts = [json.loads(line) for name in ("prompts.jsonl", "more_prompts.jsonl") if (work / name).is_file()
+               for line in open(work / name)]
     timing = json.loads((work / "timing.json").read_text()) if (work / "timing.json").is_file() else {}
     answerers = settings_file(work / "answers.jsonl")
     settings = {**settings, "answered": counts, "prompts": {
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="a named target (models/zoo.py) or an HF model directory")
     parser.add_argument("--num-prompts", type=int, default=3300)
+    parser.add_argument("--more-prompts", type=int, default=0,
+                        help="training prompts beyond --num-prompts' (data/prompts.py build_more_prompts); chat only")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -121,7 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     target_dir = Path(resolve_target(args.target))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     text = tokenizer.chat_template is None  # a base model: plain-text openings to continue
+    if text and args.more_prompts:
+        parser.error(f"--more-prompts: {args.target} has no chat template; there are more plain-text openings only "
+                     "through a larger --num-prompts (a new held-out split)")
     settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
+                **({"more_prompts": args.more_prompts} if args.more_prompts else {}),
                 "prompt_seed": args.seed,
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                              "max_new_tokens": args.max_new_tokens, "seed": args.seed},
@@ -138,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = [json.loads(line) for line in open(prompts_file)]
+    if args.more_prompts:
+        more = build_more_prompts(args.num_prompts, args.more_prompts, args.seed)
+        (work / "more_prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in more))
+        rows += more
     answers = work / "answers.jsonl"
     if not answers.is_file():
         seed_from_committed(out, answers, work / "timing.json")

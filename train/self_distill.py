@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
-from draftsmith.data.server import Server
+from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.regenerate import (
     answered,
@@ -174,15 +174,19 @@ def main(argv: list[str] | None = None) -> None:
     spent = json.loads(timing_file.read_text())["seconds"] if timing_file.is_file() else 0.0
     t0, written = time.perf_counter(), 0
     with open(answers, "a") as fh:
-        for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
-                            args.max_new_tokens, args.batch_size):
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
-            written += 1
-            timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
-            if written % args.batch_size == 0 or written == len(todo):
-                log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + written, len(rows),
-                         spent + time.perf_counter() - t0)
+        try:
+            for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
+                                args.max_new_tokens, args.batch_size):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                fh.flush()
+                written += 1
+                timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
+                if written % args.batch_size == 0 or written == len(todo):
+                    log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + written, len(rows),
+                             spent + time.perf_counter() - t0)
+        except ServerError as e:
+            raise ServerError(f"{e}; {len(done) + written} of {len(rows)} prompts are answered in {answers}: rerun "
+                              "the same command once the server answers to continue") from None
 
 
 if __name__ == "__main__":

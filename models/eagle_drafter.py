@@ -159,7 +159,12 @@ class EagleDrafter(nn.Module):
     def forward(self, emb: torch.Tensor, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 cache) -> torch.Tensor:
         """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
-        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]."""
+        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]. With h
+        [b, q' < q, n*H], queries q'.. read P-EAGLE's learned placeholder `mask_hidden`: read here, inside the forward,
+        because ZeRO-3 gathers a module's own parameters only there (outside it has shape [0])."""
+        if h.shape[1] < emb.shape[1]:
+            fill = self.mask_hidden.to(h.dtype).expand(h.shape[0], emb.shape[1] - h.shape[1], -1)  # [b, q - q', n*H]
+            h = torch.cat([h, fill], 1)  # [b, q, n*H]
         h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
         rope = self.rotary(h, position_ids)
         caches = cache if isinstance(cache, list) else [cache] * self.config.num_hidden_layers  # TTT: one per layer

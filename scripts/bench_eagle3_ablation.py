@@ -36,7 +36,6 @@ per token of the batch.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
@@ -61,11 +60,6 @@ from draftsmith.train.eagle import heldout_batches, heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
-REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
-# placeholders in VARIANTS' overrides -> (file written beside the runs, its source): the T=1 answers alone of the
-# recipe's first regenerated data, and of the sampled answers to every training prompt
-T1_FILES = {"{T1}": ("regenerated_t1.jsonl.gz", REGENERATED),
-            "{T1ALL}": ("t1_all.jsonl.gz", "data/regenerated/reference-target/train_t1_all.jsonl.gz")}
 VARIANTS = {name: (key, overrides) for name, (key, overrides) in
             yaml.safe_load((REPO / "benchmarks/eagle3_ablation_variants.yaml").read_text()).items()}
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
@@ -75,21 +69,8 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def t1_rows(out: Path, source: str) -> Path:
-    """The regenerated answers of `source` sampled at temperature 1 alone (ids ending -T1), written to `out`."""
-    if not out.is_file():
-        rows = [line for line in gzip.open(REPO / source, "rt") if json.loads(line)["id"].endswith("-T1")]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(out, "wt") as f:
-            f.writelines(rows)
-    return out
-
-
 def train_variant(name: str, run: Path, budget: float, target: str, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
-    for mark, (file, source) in T1_FILES.items():
-        if any(mark in o for o in overrides):
-            overrides = [o.replace(mark, str(t1_rows(run.parent / file, source))) for o in overrides]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):

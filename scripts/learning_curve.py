@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -75,11 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
     positions = cfg["loop"]["batch_size"] * cfg["loop"]["grad_accum"] * cfg["data"]["max_length"]
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {
-        "command": "python scripts/learning_curve.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "run": str(run), "recipe": {k: cfg[k] for k in ("target", "data", "eagle", "loop")},
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "prompts": cfg["eval"]["prompts"],
         "train_tokens": f"steps x {positions} (batch_size x grad_accum x data.max_length: packed rows, padding "
                         "included)", "table": []}
+    if (result["num_prompts"], result["max_new_tokens"]) != (args.num_prompts, args.max_new_tokens):
+        raise SystemExit(f"{out} was measured with {result['num_prompts']} prompts x {result['max_new_tokens']} tokens; "
+                         "pass the same, or another --out to measure afresh")
+    result["command"] = (f"python scripts/learning_curve.py --run {run} --num-prompts {result['num_prompts']} "
+                         f"--max-new-tokens {result['max_new_tokens']} --out {out}"
+                         + (f" --plot {args.plot}" if args.plot else ""))  # --steps: only which ones this call adds
     done = {r["step"] for r in result["table"]}
     todo = [c for c in checkpoints(run) if int(c.name.split("-")[1]) not in done and (c / "model").is_dir()
             and (not args.steps or int(c.name.split("-")[1]) in args.steps)]

@@ -108,7 +108,7 @@ def keep_freed_memory() -> None:
     """Under glibc, keep freed blocks of up to 32 MiB in the heap rather than unmapped (M_MMAP_THRESHOLD) and the
     heap untrimmed below 1 GiB (M_TRIM_THRESHOLD). A CPU training step makes and frees many [positions, vocabulary]
     buffers of a few MiB; returned to the kernel, each is page-faulted in afresh at its next use (EAGLE-3's step
-    567 -> 510 ms with glibc's tunables set so, benchmarks/train_step.json). Elsewhere (no glibc) a no-op."""
+    567 -> 510 ms with glibc's tunables set so). Elsewhere (no glibc) a no-op."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.data.chat import to_messages
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.proposers import Proposer
@@ -38,7 +39,11 @@ def render_prompts(tokenizer, rows: list[dict]) -> list[torch.Tensor]:
     out = []
     for i, row in enumerate(rows):
         if "messages" in row:
-            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+            try:
+                messages = to_messages({"messages": row["messages"]})  # content: a string or text parts
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         elif "prompt" in row:
             text = row["prompt"]
         else:

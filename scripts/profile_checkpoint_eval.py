@@ -24,7 +24,8 @@ import torch
 
 from draftsmith.data.dataset import build_dataset, heldout_rows
 from draftsmith.decoding import evaluate as decode_eval
-from draftsmith.models.eagle import Eagle, EagleProposer, draft_vocab, load_eagle
+from draftsmith.models.eagle import Eagle, draft_vocab, load_eagle
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.target import load_target
 from draftsmith.train import config as C
 from draftsmith.train import eagle as entry

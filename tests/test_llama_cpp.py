@@ -16,7 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
-from draftsmith.models.eagle import Eagle, EagleConfig
+from draftsmith.models.dflash import DFlash, DFlashConfig
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.target import Target
 
 NEEDS_SOURCE = pytest.mark.skipif(
@@ -90,6 +92,16 @@ def test_the_eagle3_gguf_reads_the_trained_layers_with_fc_blocks_in_the_same_ord
 
 
 @NEEDS_SOURCE
+def test_a_dflash_gguf_reads_the_trained_layers_and_block_size(target, tmp_path):
+    DFlash(target, DFlashConfig(block_size=4, num_layers=1, aux_layers=[4, 2]), mask_token_id=3).save_pretrained(
+        tmp_path / "run")
+    gguf = llama_cpp.read_gguf(R.export(tmp_path / "run", "gguf", tmp_path / "gguf"))
+    assert gguf["fields"]["general.architecture"] == "dflash"
+    assert gguf["fields"]["dflash.target_layers"] == [2, 4]  # inputs to layers 2 and 4, as trained (sorted)
+    assert gguf["fields"]["dflash.block_size"] == 4
+
+
+@NEEDS_SOURCE
 def test_a_tiny_target_converts_in_f32_and_f16(target, tmp_path):
     for outtype in ("f32", "f16"):
         f = llama_cpp.convert(target.path, tmp_path / f"t-{outtype}.gguf", outtype)
@@ -124,10 +136,10 @@ def test_served_by_llama_server_the_drafter_leaves_greedy_output_unchanged(targe
     draft = R.export(drafter_dir(target, tmp_path / "run"), "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
     prompts = [[1, *torch.randint(3, 280, (12,), generator=torch.Generator().manual_seed(i)).tolist()]
                for i in range(4)]
-    with llama_cpp.Server(model, threads=2) as plain:
+    with llama_cpp.Server(model, threads=2, ctx=256) as plain:
         want = [plain.complete(p, 24, temperature=0.0)["tokens"] for p in prompts]
     with llama_cpp.Server(model, ["--spec-type", "draft-eagle3", "-md", str(draft), "--spec-draft-n-max", "3"],
-                threads=2) as spec:
+                threads=2, ctx=256) as spec:
         runs = [spec.complete(p, 24, temperature=0.0) for p in prompts]
     assert [r["tokens"] for r in runs] == want
     assert sum(r["verify_steps"] for r in runs) > 0  # the drafter was used

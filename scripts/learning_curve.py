@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         row["heldout_acc_0"] = round(e["eval/heldout_acc_0"], 4) if e else None
         row["heldout_accept_0"] = round(e["eval/heldout_accept_0"], 4) if e else None
         row["seconds"] = round(time.perf_counter() - t0, 1)
-        result["table"] = sorted([*result["table"], row], key=lambda r: r["step"])
+        kept = json.loads(out.read_text())["table"] if out.is_file() else []  # another call's rows too
+        result["table"] = sorted([*[r for r in kept if r["step"] != step], row], key=lambda r: r["step"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(row), flush=True)

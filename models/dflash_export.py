@@ -1,6 +1,6 @@
 """DFlash export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm|sglang|gguf --out DIR
+    draftsmith export RUN --format vllm|sglang|gguf --out DIR
 
 One layout, the z-lab DFlash release's, which vLLM (`--speculative-config '{"method": "dflash", "model": DIR,
 "num_speculative_tokens": K}'`, vllm/model_executor/models/qwen3_dflash.py) and SGLang (`DFLASH`) load:

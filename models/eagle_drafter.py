@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -32,7 +31,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from draftsmith.data.core import read_drafter_meta
+from draftsmith.data.core import REDO_DRAFTER, read_drafter_meta, read_file
 
 WEIGHTS_FILE, CONFIG_FILE = "eagle.safetensors", "config.json"
 
@@ -83,17 +82,26 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class TTTPast:
+    """One drafter layer's keys and values of each earlier training-time-test step, as `ttt_attention` appends them.
+    An object, not a list: DeepSpeed ZeRO-3's module hooks rebuild every list and tuple argument of a forward, so a
+    step appended to a list argument was lost and the next step read its own keys as step 0's."""
+
+    def __init__(self):
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
 def attend(attn: LlamaAttention, x: torch.Tensor, rope: tuple, mask: torch.Tensor, cache) -> torch.Tensor:
-    """A drafter layer's attention: `ttt_attention` in training-time test (cache the list of the earlier steps' keys
-    and values), else over the decoder's KV cache with an additive mask [b, 1, q, keys]."""
-    if isinstance(cache, list):
+    """A drafter layer's attention: `ttt_attention` in training-time test (cache a `TTTPast`), else over the
+    decoder's KV cache with an additive mask [b, 1, q, keys]."""
+    if isinstance(cache, TTTPast):
         return ttt_attention(attn, x, rope, mask, cache)
     return attn(x, position_embeddings=rope, attention_mask=mask.to(x.dtype), cache=cache)[0]
 
 
 def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: torch.Tensor,
-                  past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The drafter's attention in training-time test at step k = len(past), what decoding's cache and mask compute:
+                  past: TTTPast) -> torch.Tensor:
+    """The drafter's attention in training-time test at step k = len(past.steps), what decoding's cache and mask compute:
     queries x [b, m, 2H or H] read step 0's keys where visible [b, m, s], and the key of each step 1..k at their own
     position; that is one dot product per step, not the [m, m] block of which a mask would keep the diagonal.
     Appends this step's (keys, values), repeated to every head [b, heads, m, d], to past -> attention output [b, m, H]."""
@@ -101,8 +109,8 @@ def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: t
     q, key, value = (proj(x).view(b, m, -1, attn.head_dim).transpose(1, 2)
                      for proj in (attn.q_proj, attn.k_proj, attn.v_proj))  # [b, heads or kv_heads, m, d]
     q, key = apply_rotary_pos_emb(q, key, *rope)
-    past.append((repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)))
-    (k0, v0), *later = past  # [b, heads, s or m, d] each
+    past.steps.append((repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)))
+    (k0, v0), *later = past.steps  # [b, heads, s or m, d] each
     q = q * attn.scaling
     scores = (q @ k0.transpose(2, 3)).masked_fill(~visible[:, None], torch.finfo(q.dtype).min)  # [b, heads, m, s]
     s = scores.shape[-1]
@@ -151,7 +159,12 @@ class EagleDrafter(nn.Module):
     def forward(self, emb: torch.Tensor, h: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                 cache) -> torch.Tensor:
         """One drafter step. emb [b, q, H]; h [b, q, H or n*H] (target features, or the drafter's own output);
-        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]."""
+        position_ids [b, q]; mask and cache as `MidLayer.forward` reads them -> output hidden [b, q, H]. With h
+        [b, q' < q, n*H], queries q'.. read P-EAGLE's learned placeholder `mask_hidden`: read here, inside the forward,
+        because ZeRO-3 gathers a module's own parameters only there (outside it has shape [0])."""
+        if h.shape[1] < emb.shape[1]:
+            fill = self.mask_hidden.to(h.dtype).expand(h.shape[0], emb.shape[1] - h.shape[1], -1)  # [b, q - q', n*H]
+            h = torch.cat([h, fill], 1)  # [b, q, n*H]
         h = self.fc(torch.cat([emb, h], -1)) if self.version == 1 else self.fuse(h)  # [b, q, H]
         rope = self.rotary(h, position_ids)
         caches = cache if isinstance(cache, list) else [cache] * self.config.num_hidden_layers  # TTT: one per layer
@@ -188,9 +201,9 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[EagleDrafte
     """A drafter checkpoint dir -> (EagleDrafter with its weights, drafter.json)."""
     path = Path(path)
     meta = read_drafter_meta(path)
-    config = LlamaConfig.from_json_file(path / CONFIG_FILE)
+    config = LlamaConfig.from_dict(read_file(path / CONFIG_FILE, REDO_DRAFTER))
     config._attn_implementation = "sdpa"
-    state = load_file(path / WEIGHTS_FILE)
+    state = read_file(path / WEIGHTS_FILE, REDO_DRAFTER)
     draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
     drafter = EagleDrafter(config, meta["version"], draft_ids, max(1, len(meta["aux_layers"])))
     if "mask_hidden" in state:  # P-EAGLE's placeholder feature (models/p_eagle.py)

@@ -1,6 +1,6 @@
 """EAGLE export formats (registered in draftsmith.models.export) and the loader of each.
 
-    python scripts/export.py RUN --format sglang|vllm|speculators|gguf --out DIR
+    draftsmith export RUN --format sglang|vllm|speculators|gguf --out DIR
 
 sglang       EAGLE-3 as SGLang and SpecForge load it (sglang python/sglang/srt/models/llama_eagle3.py):
              config.json {architectures [LlamaForCausalLMEagle3], a one-layer Llama config, vocab_size (the

@@ -61,12 +61,13 @@ class PEagle(Eagle):
                                                             dtype=self.drafter.fc.weight.dtype) * 0.02)
 
     def step_input(self, k: int, emb: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 0 as EAGLE-3; steps k >= 1 read e(ptd) [b, s, H] and mask_hidden [b, s, 3H] (fc maps it to H)."""
+        """Step 0 as EAGLE-3; steps k >= 1 read e(ptd) [b, s, H] and mask_hidden (fc maps it to H), which the drafter
+        fills in for the features [b, 0, 3H] given here."""
         if k == 0:
             return emb, h
         b, s, _ = emb.shape
         ptd = self.target.embed(torch.tensor([self.ptd_token_id], device=emb.device)).to(emb.dtype)  # [1, H]
-        return ptd.expand(b, s, -1), self.drafter.mask_hidden.to(emb.dtype).expand(b, s, -1)
+        return ptd.expand(b, s, -1), emb.new_empty(b, 0, self.drafter.fc.in_features)
 
     def proposer(self, target=None, **kwargs) -> PEagleProposer:
         return PEagleProposer(self.drafter, self.target.embed, self.target.lm_head, self.layers, self.ptd_token_id,
@@ -113,7 +114,6 @@ class PEagleProposer(EagleProposer):
         tokens, feats, positions = self.take_pending(ids)  # also drops the previous block's placeholders
         m, slots = tokens.numel(), self.gamma - 1
         tokens = torch.cat([tokens, tokens.new_full((slots,), self.ptd_token_id)])  # [m + K-1]
-        feats = torch.cat([feats, self.drafter.mask_hidden.to(feats.dtype).expand(slots, -1)])  # [m + K-1, 3H]
         positions = torch.cat([positions, positions[-1] + torch.arange(1, slots + 1, device=ids.device)])
         visible = torch.ones(m + slots, self.n + m + slots, dtype=torch.bool, device=ids.device).tril(self.n)
         out = self._step(tokens, feats, positions, visible)[m - 1:]  # [K, H]: the last entry, then the placeholders

@@ -1,6 +1,6 @@
 """P-EAGLE export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm --out DIR
+    draftsmith export RUN --format vllm --out DIR
 
 vllm   vLLM's parallel drafting (`--speculative-config '{"method": "eagle3", "model": DIR,
        "num_speculative_tokens": K, "parallel_drafting": true}'`, vllm/model_executor/models/llama_eagle3.py):

@@ -71,5 +71,7 @@ if __name__ == "__main__":
         prepare(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         check(Path(sys.argv[2]))
+    elif sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
     else:
         sys.exit("usage: check_speculators_export.py prepare RUN OUT | check OUT")

@@ -1,4 +1,4 @@
-"""The evaluator, the per-checkpoint evaluator and scripts/evaluate.py on a tiny model with a real tokenizer."""
+"""The evaluator, the per-checkpoint evaluator and `draftsmith evaluate` on a tiny model with a real tokenizer."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ def test_render_prompts_uses_the_chat_template_for_messages(tiny):
     assert tokenizer.decode(raw[0]) == PROMPTS[1]["prompt"]
     with pytest.raises(ValueError, match="'messages'"):
         render_prompts(tokenizer, [{"text": "x"}])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]}]
+    assert torch.equal(render_prompts(tokenizer, [{"messages": parts}])[0], chat)
+    with pytest.raises(ValueError, match=r"prompt 0: turn 0 \(user\) has content null, not text"):
+        render_prompts(tokenizer, [{"messages": [{"role": "user", "content": None}]}])
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "lookahead", "draft"])

@@ -17,7 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
 from draftsmith.models.dflash import DFlash, DFlashConfig
-from draftsmith.models.eagle import Eagle, EagleConfig
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.target import Target
 
 NEEDS_SOURCE = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""scripts/regenerate.py on a tiny random Llama: batched turn-by-turn regeneration, and resume."""
+"""`draftsmith regenerate` on a tiny random Llama: batched turn-by-turn regeneration, and resume."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -42,7 +42,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from draftsmith.data.core import DiskFull, check_free, checkpoint_dir, checkpoints, is_disk_full, one_line
+from draftsmith.data.core import (
+    DiskFull,
+    check_free,
+    checkpoint_dir,
+    checkpoints,
+    is_disk_full,
+    one_line,
+    read_file,
+)
 from draftsmith.train import guard
 from draftsmith.train.config import ConfigError
 
@@ -197,12 +205,11 @@ class Checkpoints:
             torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
         tensors, meta = _rng_state()
         save_file(tensors, d / "rng.safetensors")
-        extra = model.extra_state() if hasattr(model, "extra_state") else None
+        extra = model.extra_state()
         (d / "state.json").write_text(json.dumps({**self.state.__dict__, "backend": self.backend, "rng": meta,
                                                   "metrics": metrics, "method": extra}))
         (d / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(d / "model")
+        model.save_pretrained(d / "model")
 
     def _checkpoint_bytes(self) -> int:
         """Bytes the next checkpoint needs: the last one's size, else the trainable weights, AdamW's two fp32
@@ -220,7 +227,8 @@ class Checkpoints:
     def load(self, ckpt: Path) -> None:
         """Restore weights, optimizer, scheduler, data position and RNG from a checkpoint."""
         acc, model = self.accelerator, self.unwrapped
-        state = json.loads((ckpt / "state.json").read_text())
+        fix = f"move {ckpt} aside to resume from the checkpoint before it, or set loop.resume=never"
+        state = read_file(ckpt / "state.json", fix)
         world = state.get("world_size", 1)
         written = state.pop("backend", "ddp")
         if self.deepspeed != (ckpt / "deepspeed").is_dir():
@@ -232,15 +240,15 @@ class Checkpoints:
                                  f"resume with {world} processes (sharded optimizer state), or set loop.resume=never")
             acc.load_state(str(ckpt / "deepspeed"), load_module_strict=False)
         else:
-            weights = load_file(ckpt / "trainable.safetensors")
+            weights = read_file(ckpt / "trainable.safetensors", fix)
             self._check_fits(ckpt, {n: tuple(t.shape) for n, t in weights.items()})
             # whole state dicts by parameter name, sharded here as this launch shards (FSDP2) or copied (DDP)
             options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=False)
             set_model_state_dict(self.method, weights, options=options)
             set_optimizer_state_dict(self.method, self.optimizer.optimizer,
-                                     torch.load(ckpt / "optimizer.pt", weights_only=True), options=options)
-            self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-        _set_rng_state(load_file(ckpt / "rng.safetensors"), state.pop("rng"))
+                                     read_file(ckpt / "optimizer.pt", fix), options=options)
+            self.scheduler.load_state_dict(read_file(ckpt / "scheduler.pt", fix))
+        _set_rng_state(read_file(ckpt / "rng.safetensors", fix), state.pop("rng"))
         state.pop("metrics", None)
         extra = state.pop("method", None)
         if extra is not None:
@@ -264,7 +272,7 @@ class Checkpoints:
         mine = {n: tuple(p.shape) for n, p in self.unwrapped.named_parameters() if p.requires_grad}
         if mine == shapes:
             return
-        old = yaml.safe_load((ckpt / "config.yaml").read_text()) if (ckpt / "config.yaml").is_file() else {}
+        old = read_file(ckpt / "config.yaml", "set loop.resume=never") if (ckpt / "config.yaml").is_file() else {}
         changed = [c for c in config_changes(old, self.run_config) if not c.startswith(("loop.", "eval."))]
         diff = sorted(set(mine) ^ set(shapes)) or sorted(n for n in mine if mine[n] != shapes[n])
         why = f"changed keys: {'; '.join(changed)}" if changed else f"tensors differ: {diff[:3]}"

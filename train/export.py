@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftsmith.data.core import find_drafter
 from draftsmith.models.registry import drafter_method, export, get_format
+from draftsmith.train.guard import cli
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -36,4 +37,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

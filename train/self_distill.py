@@ -1,12 +1,14 @@
 """Self-distilled data for a real target: build diverse prompts, let the target answer them, commit the result.
 
-    python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
-    python scripts/self_distill.py --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
-    python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
+    draftsmith self-distill --target smollm2-135m-instruct            # resumable; rerun to continue
+    draftsmith self-distill --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
+    draftsmith self-distill --target smollm2-135m-instruct --more-prompts 1000  # 1,000 training prompts more
+    draftsmith self-distill --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
-turn. A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
+turn; `--more-prompts M` adds M training prompts to the --num-prompts ones, the held-out split unchanged.
+A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
 openings instead (stdlib function headers with docstrings, prose) and continues them: rows of `text`. The target answers each one through train/regenerate.py's batched generation (held-out prompts
 first), or through an OpenAI-compatible server serving the same weights (`--server URL`, --batch-size
 requests at once; see `draftsmith regenerate`), appending to `runs/self_distill/NAME/answers.jsonl`, so an
@@ -30,9 +32,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import read_file
-from draftsmith.data.prompts import build_prompts, build_text_prompts
-from draftsmith.data.server import Server
+from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
+from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
+from draftsmith.train.guard import cli
 from draftsmith.train.regenerate import (
     answered,
     complete,
@@ -64,7 +67,8 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
             if r["split"] == "heldout":
                 prompt = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"][:-1]}
                 fh.write(json.dumps({"id": r["id"], "kind": r["kind"], **prompt}, ensure_ascii=False) + "\n")
-    prompts = read_file(work / "prompts.jsonl", f"delete {work} and run again")
+    prompts = [r for name in ("prompts.jsonl", "more_prompts.jsonl") if (work / name).is_file()
+               for r in read_file(work / name, f"delete {work} and run again")]
     timing = read_file(work / "timing.json", f"delete {work} and run again") if (work / "timing.json").is_file() else {}
     answerers = settings_file(work / "answers.jsonl")
     settings = {**settings, "answered": counts, "prompts": {
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="a named target (models/zoo.py) or an HF model directory")
     parser.add_argument("--num-prompts", type=int, default=3300)
+    parser.add_argument("--more-prompts", type=int, default=0,
+                        help="training prompts beyond --num-prompts' (data/prompts.py build_more_prompts); chat only")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -122,13 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     target_dir = Path(resolve_target(args.target))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     text = tokenizer.chat_template is None  # a base model: plain-text openings to continue
+    if text and args.more_prompts:
+        parser.error(f"--more-prompts: {args.target} has no chat template; there are more plain-text openings only "
+                     "through a larger --num-prompts (a new held-out split)")
     settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
+                **({"more_prompts": args.more_prompts} if args.more_prompts else {}),
                 "prompt_seed": args.seed,
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                              "max_new_tokens": args.max_new_tokens, "seed": args.seed},
                 "batch_size": args.batch_size,
-                "command": "python scripts/self_distill.py " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
-                                                                         if a != "--finalize")}
+                "command": "draftsmith self-distill " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                                          if a != "--finalize")}
     if args.finalize:
         print(json.dumps(finalize(work, out, target_dir, settings), indent=1))
         return
@@ -139,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = read_file(prompts_file, f"delete {prompts_file} and run again")
+    if args.more_prompts:
+        more = build_more_prompts(args.num_prompts, args.more_prompts, args.seed)
+        (work / "more_prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in more))
+        rows += more
     answers = work / "answers.jsonl"
     if not answers.is_file():
         seed_from_committed(out, answers, work / "timing.json")
@@ -162,16 +176,20 @@ def main(argv: list[str] | None = None) -> None:
     spent = read_file(timing_file, f"delete {timing_file} and run again")["seconds"] if timing_file.is_file() else 0.0
     t0, written = time.perf_counter(), 0
     with open(answers, "a") as fh:
-        for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
-                            args.max_new_tokens, args.batch_size):
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
-            written += 1
-            timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
-            if written % args.batch_size == 0 or written == len(todo):
-                log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + written, len(rows),
-                         spent + time.perf_counter() - t0)
+        try:
+            for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
+                                args.max_new_tokens, args.batch_size):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+                fh.flush()
+                written += 1
+                timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
+                if written % args.batch_size == 0 or written == len(todo):
+                    log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + written, len(rows),
+                             spent + time.perf_counter() - t0)
+        except ServerError as e:
+            raise ServerError(f"{e}; {len(done) + written} of {len(rows)} prompts are answered in {answers}: rerun "
+                              "the same command once the server answers to continue") from None
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,6 +1,6 @@
 """Offline hidden states for EAGLE: the frozen target's features written once, read back by training.
 
-    python scripts/cache_hidden_states.py --config recipes/eagle3/tiny-code.yaml --out DIR
+    draftsmith cache --config recipes/eagle3/tiny-code.yaml --out DIR
 
 Only what the method reads is stored: `hidden`, the final post-norm hidden state [T, H] (EAGLE-1's
 feature and, through the target's LM head, the soft targets of both versions: logits are never
@@ -231,21 +231,21 @@ class HiddenCache:
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             raise CacheError(f"{self.path} is not a hidden-state cache (no {MANIFEST}); write one with "
-                             "scripts/cache_hidden_states.py --config <recipe> --out DIR")
+                             "draftsmith cache --config <recipe> --out DIR")
         self.manifest = m = read_file(self.path / MANIFEST, f"delete {self.path} and write the cache again with "
-                                      "scripts/cache_hidden_states.py --config <recipe> --out DIR")
+                                      "draftsmith cache --config <recipe> --out DIR")
         if not m["complete"]:
             done = sum((self.path / s["file"]).is_file() for s in m["shards"])
             raise CacheError(f"hidden cache {self.path} is incomplete ({done} of {len(m['shards'])} shards); rerun "
-                             f"scripts/cache_hidden_states.py with the same recipe and --out {self.path} to resume it")
+                             f"draftsmith cache with the same recipe and --out {self.path} to resume it")
         if target is not None and m["target_sha256"] != target_fingerprint(target):
             raise CacheError(f"hidden cache {self.path} was written for another target ({m['target']}), not "
-                             f"{target.path}; write a cache of this target with scripts/cache_hidden_states.py "
+                             f"{target.path}; write a cache of this target with draftsmith cache "
                              "and point offline.path at it")
         if layers is not None and list(layers) != m["layers"]:
             raise CacheError(f"hidden cache {self.path} holds layers {m['layers'] or 'final only'} but the method "
                              f"reads {list(layers) or 'final only'}; write a cache with this recipe's eagle settings "
-                             "(scripts/cache_hidden_states.py) and point offline.path at it")
+                             "(draftsmith cache) and point offline.path at it")
         for s in m["shards"]:  # a header read each: a damaged shard is named here, not deep in a data loader
             f = self.path / s["file"]
             why = "is missing" if not f.is_file() else safetensors_damage(f)
@@ -262,7 +262,7 @@ class HiddenCache:
     def rewrite(self, shard: str) -> str:
         """The fix for a damaged shard: the writer resumes at missing shards."""
         command = self.manifest.get("meta", {}).get("command") or \
-            f"scripts/cache_hidden_states.py with the recipe that wrote it and --out {self.path}"
+            f"draftsmith cache --config <the recipe that wrote it> --out {self.path}"
         return f"delete it and rerun `{command}`, which writes missing shards again"
 
     def shard(self, k: int) -> tuple:

@@ -1,4 +1,4 @@
-"""Diverse chat prompts built from code, for self-distilling a real target (scripts/self_distill.py), and
+"""Diverse chat prompts built from code, for self-distilling a real target (`draftsmith self-distill`), and
 plain-text openings for a base model without a chat template (`build_text_prompts`).
 
 No hub, no downloaded data: code tasks come from the running interpreter's standard library (functions
@@ -7,11 +7,13 @@ comes from the stdlib's module docstrings, and the rest (arithmetic, word proble
 questions, lists and formats, multi-turn follow-ups) from small templates filled by a seeded RNG.
 Every prompt is a conversation ending in a user turn; multi-turn ones hold an empty assistant turn that
 regeneration fills first. The split is by a hash of the first user turn, so it never depends on order.
+`build_more_prompts` adds training prompts to a set already answered, leaving its held-out split as it is.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import random
 
@@ -55,8 +57,10 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def code_prompts(rng: random.Random) -> tuple[list[str], list[str], list[str], list[str]]:
-    """(write-this-function, explain-this-function, what-is-this-module, prose paragraphs) from the stdlib."""
+@functools.cache
+def stdlib_pools() -> tuple[tuple[str, ...], ...]:
+    """(write-this-function, explain-this-function, what-is-this-module, prose paragraphs) from the stdlib, in file
+    order (parsed once per process)."""
     write, explain, modules, prose = [], [], [], []
     for f in stdlib_files():
         try:
@@ -81,9 +85,15 @@ def code_prompts(rng: random.Random) -> tuple[list[str], list[str], list[str], l
             if 4 <= n <= 25:
                 src = "\n".join(lines[node.lineno - 1: node.end_lineno])
                 explain.append(f"Explain what this Python function does:\n\n```python\n{src}\n```")
-    for xs in (write, explain, modules, prose):
+    return tuple(write), tuple(explain), tuple(modules), tuple(prose)
+
+
+def code_prompts(rng: random.Random) -> tuple[list[str], list[str], list[str], list[str]]:
+    """stdlib_pools() as lists, each shuffled by `rng`."""
+    pools = tuple(list(xs) for xs in stdlib_pools())
+    for xs in pools:
         rng.shuffle(xs)
-    return write, explain, modules, prose
+    return pools
 
 
 def arithmetic(rng: random.Random) -> str:
@@ -175,6 +185,16 @@ def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
         bucket = int(hashlib.sha256(users[0].encode()).hexdigest()[:8], 16) % 100
         r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
     return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
+
+
+def build_more_prompts(n: int, more: int, seed: int = 0) -> list[dict]:
+    """Up to `more` training prompts that build_prompts(n, seed) lacks: those of build_prompts(n + more, seed) not in
+    it and in the train split, a seeded draw of them in their kinds' mix. A new prompt whose first user turn hashes
+    into the held-out split is left out, so build_prompts(n, seed)'s held-out prompts stay the held-out split."""
+    have = {r["id"] for r in build_prompts(n, seed)}
+    new = [r for r in build_prompts(n + more, seed) if r["id"] not in have and r["split"] == "train"]
+    random.Random(seed).shuffle(new)
+    return new[:more]
 
 
 def _dedent(lines: list[str], indent: int) -> list[str]:

@@ -113,11 +113,13 @@ def baseline(target, prompts: list[torch.Tensor], max_new_tokens: int, temperatu
 
 def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int = 128,
              temperatures: tuple[float, ...] = (0.0,), rule: str = "auto", check_greedy: bool = True,
-             baselines: dict[float, DecodeStats] | None = None, seed: int = 0, **sampling) -> dict:
+             baselines: dict[float, DecodeStats] | None = None, seed: int = 0, warm_up: bool = True,
+             **sampling) -> dict:
     """Decode every prompt at every temperature; tau, acceptance, speedup and greedy equality.
 
     `baselines` (temperature -> plain-decoding stats): missing temperatures are measured here and
-    added to the dict, so a caller can reuse them. `sampling`
+    added to the dict, so a caller can reuse them. `warm_up`: one short decode first, untimed, so that the
+    timings exclude what a process's first decode pays once (a caller that decoded before may skip it). `sampling`
     takes top_k / top_p. Returns the first temperature's figures at the top level and all of them
     under `by_temperature`.
     """
@@ -125,7 +127,8 @@ def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_to
     target.eval()
     shard = _SHARD
     baselines = {} if baselines is None else baselines
-    speculative_generate(target, proposer, prompts[0].to(target.device), 4, lockstep=shard.lockstep)  # warm-up
+    if warm_up:
+        speculative_generate(target, proposer, prompts[0].to(target.device), 4, lockstep=shard.lockstep)
     by_t = {}
     for temperature in temperatures:
         stats, matches = DecodeStats(), True
@@ -184,7 +187,8 @@ def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = No
 
     Prompts default to the reference target's held-out set; the first `num_prompts` are used (the
     evaluation's cost scales with num_prompts x max_new_tokens x len(temperatures); `eval_seconds`
-    reports it). The plain-decoding baseline for speedup is timed once, at the first call. Use
+    reports it). The plain-decoding baseline for speedup is timed, and the warm-up decode run, once, at the first
+    call. Use
     `tau` as `loop.best_metric` (mode max).
     """
     from draftsmith.data.reference import load_prompts
@@ -196,8 +200,8 @@ def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = No
     def evaluate_checkpoint(method_module: torch.nn.Module, step: int) -> dict:
         was_training = method_module.training
         method_module.eval()
-        results = evaluate(target, method_module.proposer(target, **(proposer_kwargs or {})), ids, max_new_tokens, temperatures, rule,
-                           check_greedy, baselines)
+        results = evaluate(target, method_module.proposer(target, **(proposer_kwargs or {})), ids, max_new_tokens,
+                           temperatures, rule, check_greedy, baselines, warm_up=not baselines)  # warm after the first
         method_module.train(was_training)
         return flat_metrics(results)
 

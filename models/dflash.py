@@ -39,6 +39,7 @@ from draftsmith.decoding.verify import Sampling
 from draftsmith.models.eagle_config import draft_config
 from draftsmith.models.eagle_drafter import additive
 from draftsmith.models.lm import masked_mean
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, load_target
 
 WEIGHTS_FILE, CONFIG_FILE = "dflash.safetensors", "config.json"
@@ -155,7 +156,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-class DFlash(nn.Module):
+class DFlash(MethodBase):
     """The training method: a frozen target + a DFlashDrafter."""
 
     def __init__(self, target: Target, cfg: DFlashConfig, mask_token_id: int = 0):

@@ -1,6 +1,6 @@
 """DFlash export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm|sglang --out DIR
+    draftsmith export RUN --format vllm|sglang|gguf --out DIR
 
 One layout, the z-lab DFlash release's, which vLLM (`--speculative-config '{"method": "dflash", "model": DIR,
 "num_speculative_tokens": K}'`, vllm/model_executor/models/qwen3_dflash.py) and SGLang (`DFLASH`) load:
@@ -29,6 +29,7 @@ from transformers import AutoConfig, LlamaConfig
 from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.dflash import DFlashDrafter, load_drafter
 from draftsmith.models.export import Format, vllm_parallel_drafting_token_id, write_json
+from draftsmith.models.llama_cpp import gguf_format
 
 SIDE_FILE, WEIGHTS_FILE = "draftsmith_export.json", "model.safetensors"
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -100,3 +101,4 @@ def load(path: Path) -> tuple[DFlashDrafter, dict]:
 
 FORMATS = {name: Format(write, load, f"DFlash for {engine} (DFlashDraftModel, dflash_config)")
            for name, engine in (("vllm", "vLLM"), ("sglang", "SGLang"))}
+FORMATS["gguf"] = gguf_format(FORMATS["vllm"], "draft-dflash")

@@ -48,21 +48,19 @@ scores [b, heads, m, s] exist per unrolled step (eager attention; no fused kerne
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.data.core import ConfigError, write_drafter_meta
 from draftsmith.models.eagle_config import EagleConfig, aux_layers, draft_config
 from draftsmith.models.eagle_drafter import CONFIG_FILE, WEIGHTS_FILE, EagleDrafter, TTTPast, load_drafter
 from draftsmith.models.eagle_proposer import EagleProposer
-from draftsmith.models.layerskip import final_norm
 from draftsmith.models.lm import masked_mean
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, load_target, target_fields
 
 
@@ -130,20 +128,7 @@ def row_uniform(ids: torch.Tensor, real: torch.Tensor | None, salt: str) -> torc
     return u.to(ids.device)
 
 
-def final_norm_scale(target: Target) -> torch.Tensor:
-    """[H] the per-dimension scale of the target's final RMSNorm (Gemma's 1 + w included): the norm applied to a
-    vector of ones, whose RMS is 1. With it and the target's head rows, EAGLE-3's norm and head start as the
-    target's own."""
-    norm = final_norm(target.model)
-    if getattr(norm, "bias", None) is not None:
-        raise ConfigError(f"eagle.norm_init=target: the target's final norm ({type(norm).__name__}) is not an RMSNorm; "
-                          "use ones")
-    H = target.config.get_text_config().hidden_size
-    with torch.no_grad():
-        return norm(torch.ones(1, H, dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device))[0]
-
-
-class Eagle(nn.Module):
+class Eagle(MethodBase):
     """The training method: a frozen target (online) or its cached features (offline) + an EagleDrafter."""
 
     def __init__(self, target: Target, cfg: EagleConfig, draft_ids: torch.Tensor | None = None):
@@ -170,10 +155,6 @@ class Eagle(nn.Module):
                 head.register_buffer("weight", rows)
             else:
                 head.weight.data.copy_(rows)
-        if cfg.version == 3 and cfg.norm_init == "target":
-            self.drafter.norm.weight.data.copy_(final_norm_scale(target))
-        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
-        self.measuring = True  # the acceptance metrics in training; the loop sets it on the steps it logs alone
 
     # ---- features ----------------------------------------------------------------------------------
 
@@ -326,12 +307,9 @@ class Eagle(nn.Module):
             rows = trained if self.training else torch.ones_like(valid)  # [b, m] where the head and loss run
             bi, ti = rows.nonzero(as_tuple=True)  # [N] each
             tj = (t[bi, ti] + j).clamp(max=s - 1)  # [N] past the end: never trained
-            head = not (self.training and cfg.head_steps and k >= cfg.head_steps)  # the draft loss at this step
-            step_loss = out.new_zeros(())
-            if head:
-                div, top, accept = (x if x is None else x[0] for x in self.chunked_divergence(
-                    out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None], measure))  # [N] each
-                step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
+            div, top, accept = (x if x is None else x[0] for x in self.chunked_divergence(
+                out[bi, ti][None], target_p[row[bi, tj]][None], mass[row[bi, tj]][None], measure))  # [N] each
+            step_loss = masked_mean(div, trained[bi, ti]) * (cfg.token_weight if cfg.version == 1 else 1.0)
             if cfg.feature_weight:  # the features the head reads, against the target's own (EAGLE-1's regression)
                 read = out if cfg.version == 1 else d.norm(out)  # [b, m, H]
                 l1 = F.smooth_l1_loss(read, take(f, t, j), reduction="none").mean(-1)  # [b, m]
@@ -341,7 +319,7 @@ class Eagle(nn.Module):
                 step_loss = step_loss + cfg.input_weight * masked_mean(l1, trained[bi, ti])
             total = total + cfg.decay ** k * step_loss
             metrics[f"loss_{k}"] = step_loss.item()
-            if head and measure:  # the acceptance metrics read the draft logits
+            if measure:  # the acceptance metrics read the draft logits
                 ok = torch.zeros_like(valid).index_put((bi, ti), d.draft_ids[top] == target_next[bi, ti])  # [b, m]
                 counted = valid & rows  # [b, m] the positions the metrics count
                 metrics[f"acc_{k}"] = masked_mean(ok.float(), counted).item()

@@ -32,9 +32,7 @@ class EagleConfig:
     num_layers: int = 1  # decoder layers: the midlayer, then num_layers - 1 plain pre-norm layers (vLLM's EAGLE-3)
     num_key_value_heads: int = 0  # the layer's key/value heads (divides the target's heads); 0: the target's
     head_init: Literal["frozen", "trainable", "random"] = "frozen"  # EAGLE-3 lm_head: target rows via t2d, or random
-    norm_init: Literal["ones", "target"] = "ones"  # EAGLE-3 norm before lm_head: ones, or the target's final norm scale
     fuse_weight: float = 0.0  # EAGLE-3: SmoothL1 of norm(fc(g)) at t on the target's final feature f at t
-    head_steps: int = 0  # EAGLE-3: the draft loss at the first head_steps unrolled steps only, regressions alone after
     fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured hidden state before fc
     ttt_ramp: float = 0.0  # fraction of the run over which the unrolled steps grow from 1 to ttt_steps; 0: constant
     ttt_fraction: float = 1.0  # of the positions that train, the share steps 1.. run at (drawn per row from its tokens
@@ -53,9 +51,6 @@ class EagleConfig:
             (self.num_layers >= 1, "num_layers", "must be >= 1"),
             (self.num_key_value_heads >= 0, "num_key_value_heads", "must be >= 0 (0: the target's)"),
             (self.head_init in ("frozen", "trainable", "random"), "head_init", "must be frozen, trainable or random"),
-            (self.norm_init in ("ones", "target"), "norm_init", "must be ones or target"),
-            (self.head_steps >= 0 and (self.head_steps == 0 or self.feature_weight or self.input_weight), "head_steps",
-             "must be >= 0, and later steps without the draft loss need feature_weight or input_weight"),
             (self.version == 3 or not self.fc_norm, "fc_norm", "only EAGLE-3 fuses several layers; remove it"),
             (0 <= self.ttt_ramp <= 1, "ttt_ramp", "must be in [0, 1] (0: constant ttt_steps)"),
             (0 < self.ttt_fraction <= 1, "ttt_fraction", "must be in (0, 1] (1: every position that trains)"),

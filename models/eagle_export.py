@@ -1,6 +1,6 @@
 """EAGLE export formats (registered in draftsmith.models.export) and the loader of each.
 
-    python scripts/export.py RUN --format sglang|vllm|speculators --out DIR
+    draftsmith export RUN --format sglang|vllm|speculators|gguf --out DIR
 
 sglang       EAGLE-3 as SGLang and SpecForge load it (sglang python/sglang/srt/models/llama_eagle3.py):
              config.json {architectures [LlamaForCausalLMEagle3], a one-layer Llama config, vocab_size (the
@@ -19,6 +19,11 @@ vllm         EAGLE-3: vLLM's Eagle3LlamaForCausalLM (vllm/model_executor/models/
              is fc's output: q/k/v biases W_q b, W_k b, W_v b (attention weights sum to 1, so the value bias
              passes through to o_proj) and o_proj bias b (restoring b on the residual), with attention_bias
              true in the config (vLLM's Llama layer then biases q/k/v and o_proj).
+gguf         EAGLE-3 for llama.cpp (`llama-server -md DIR/draft.gguf --spec-type draft-eagle3`): the vllm export
+             converted by llama.cpp's own convert_hf_to_gguf.py (models/llama_cpp.py), which reads its top-level
+             eagle_aux_hidden_state_layer_ids as the inputs to those layers, as vLLM does. One drafter layer only
+             (llama.cpp's EAGLE-3 graph has one) and no per-layer fc_norm (llama.cpp, like vLLM and SGLang,
+             normalises the concatenated features once: norm_before_fc).
 speculators  EAGLE-3 in the speculators library's format, which vLLM reads (vllm/transformers_utils/configs/
              speculators/): speculators_model_type eagle3, architectures [Eagle3Speculator], the layer's config
              as transformer_layer_config, eagle_aux_hidden_state_layer_ids (vLLM's ids), norm_before_residual
@@ -49,6 +54,7 @@ from transformers import AutoConfig, LlamaConfig
 from draftsmith.data.core import REDO_EXPORT, read_file
 from draftsmith.models.eagle_drafter import EagleDrafter, load_drafter
 from draftsmith.models.export import EXPORT_FILE, Format, write_json
+from draftsmith.models.llama_cpp import gguf_format
 from draftsmith.models.target import target_fields
 
 SIDE_FILE, WEIGHTS_FILE = EXPORT_FILE, "model.safetensors"
@@ -313,8 +319,25 @@ def load_speculators(path: Path) -> tuple[EagleDrafter, dict]:
     return _eagle3_drafter(fields, tensors, layers), _meta(3, layers, verifier["name_or_path"], "speculators")
 
 
+def llama_cpp_refusal(drafter_dir: Path) -> str:
+    """Why llama.cpp cannot serve this drafter (naming the format that can), or ''."""
+    drafter, meta = load_drafter(drafter_dir)
+    if meta["version"] != 3:
+        return f"llama.cpp serves EAGLE-3 drafters only and this one is EAGLE-{meta['version']}; use --format vllm"
+    if drafter.config.num_hidden_layers > 1:
+        return (f"llama.cpp's EAGLE-3 has one drafter layer and this drafter has {drafter.config.num_hidden_layers} "
+                "(eagle.num_layers); use --format vllm or speculators, or train with eagle.num_layers=1")
+    if drafter.fc_norm is not None:
+        return ("this drafter has one RMSNorm per fused layer (eagle.fc_norm, EAGLE 3.1) and llama.cpp normalises the "
+                "concatenated features once (norm_before_fc); use --format speculators, or train with "
+                "eagle.fc_norm=false")
+    return ""
+
+
+VLLM = Format(write_vllm, load_vllm, "vLLM: EAGLE-3 (Eagle3LlamaForCausalLM) or EAGLE-1 (EagleLlamaForCausalLM)")
 FORMATS = {
     "sglang": Format(write_sglang, load_sglang, "EAGLE-3 for SGLang / SpecForge (LlamaForCausalLMEagle3)"),
-    "vllm": Format(write_vllm, load_vllm, "vLLM: EAGLE-3 (Eagle3LlamaForCausalLM) or EAGLE-1 (EagleLlamaForCausalLM)"),
+    "vllm": VLLM,
     "speculators": Format(write_speculators, load_speculators, "EAGLE-3 in vLLM's speculators format (Eagle3Speculator)"),
+    "gguf": gguf_format(VLLM, "draft-eagle3", llama_cpp_refusal),
 }

@@ -39,6 +39,7 @@ from draftsmith.decoding.tree import DraftTree, position_ids
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce
+from draftsmith.models.method import MethodBase
 
 SCALES = {"uniform": lambda l: 1.0, "linear": float, "sum": lambda l: l * (l + 1) / 2,
           "sqrt": math.sqrt, "inverse": lambda l: 1.0 / l}
@@ -138,7 +139,7 @@ class LayerDropout:
         return hook
 
 
-class LayerSkip(nn.Module):
+class LayerSkip(MethodBase):
     """The training method: final loss + curriculum-gated, scaled early-exit losses."""
 
     def __init__(self, model: nn.Module, tokenizer, cfg: LayerSkipConfig):
@@ -151,7 +152,6 @@ class LayerSkip(nn.Module):
         self.model = model
         base = self.base
         self.L = base.config.num_hidden_layers
-        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
         self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation, lambda: self.progress())
         self.dropout = LayerDropout(base, cfg.dropout_max) if cfg.dropout_max > 0 else None
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.models.method import MethodBase
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over the positions where `mask` (bool or 0/1, same shape) is set; 0 where none is."""
@@ -25,7 +27,7 @@ def masked_ce(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Te
     return masked_mean(ce.view_as(target), loss_mask[:, 1:])
 
 
-class CausalLM(nn.Module):
+class CausalLM(MethodBase):
     """Trains every parameter of `model` with masked next-token cross-entropy."""
 
     def __init__(self, model: nn.Module, tokenizer=None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +40,7 @@ from draftsmith.decoding.proposers import Proposer, Verified
 from draftsmith.decoding.tree import DraftTree
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models.lm import masked_ce, masked_mean
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import Target, load_target, target_fields
 
 HEADS_FILE = "medusa_heads.safetensors"
@@ -198,7 +198,7 @@ def masked_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, loss_mask: torch.T
     return masked_mean(kl, loss_mask[:, 1:])
 
 
-class Medusa(nn.Module):
+class Medusa(MethodBase):
     """The Medusa method for the shared loop: Medusa-1 (`backbone: frozen`) or Medusa-2 (`lora` / `full`)."""
 
     def __init__(self, target: Target, cfg: MedusaConfig):
@@ -215,7 +215,6 @@ class Medusa(nn.Module):
         c = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.heads = MedusaHeads(c.hidden_size, target.lm_head.weight.shape[0], cfg.num_heads, cfg.num_layers,
                                  target.lm_head, cfg.share_lm_head)
-        self.progress: Callable[[], float] = lambda: 1.0  # fraction of training done; the loop sets it
         self.choices: Choices | None = None  # decoding tree (None: chain); the evaluator sets the measured one
 
     @property

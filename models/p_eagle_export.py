@@ -1,6 +1,6 @@
 """P-EAGLE export (registered in draftsmith.models.export) and its loader.
 
-    python scripts/export.py RUN --format vllm --out DIR
+    draftsmith export RUN --format vllm --out DIR
 
 vllm   vLLM's parallel drafting (`--speculative-config '{"method": "eagle3", "model": DIR,
        "num_speculative_tokens": K, "parallel_drafting": true}'`, vllm/model_executor/models/llama_eagle3.py):
@@ -11,8 +11,8 @@ vllm   vLLM's parallel drafting (`--speculative-config '{"method": "eagle3", "mo
        The layers are written in increasing order with fc's input blocks permuted to match, so mask_hidden's
        three blocks are permuted the same way.
 
-SGLang has no parallel-drafting EAGLE (sglang issue 23171) and speculators no released P-EAGLE format
-(speculators RFC 292), so vllm is the one format.
+SGLang has no parallel-drafting EAGLE (https://github.com/sgl-project/sglang/issues/23171) and speculators
+no released P-EAGLE format (speculators RFC 292), so vllm is the one format.
 """
 
 from __future__ import annotations

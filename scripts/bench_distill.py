@@ -9,7 +9,7 @@ the same first --examples training prompts (recipes/distill/tiny-code.yaml other
 caps each variant's training time, and the steps each reached are reported):
   losses on the fixed data: ce, fkl, rkl, jsd (beta 0.5), tvd;
   data modes with forward KL: fixed, regenerated (the target's greedy answers to the same prompts,
-  written by scripts/regenerate.py; its cost is reported), on-policy (GKD, lambda 0.5: every other
+  written by `draftsmith regenerate`; its cost is reported), on-policy (GKD, lambda 0.5: every other
   step trains on the draft's own samples for the batch's prompts, scored by the target).
 Each draft (and the untrained copy) is measured on held-out prompts by real speculative decoding,
 gamma tokens per step: tau and speedup over the target's own decoding (timed right before, per
@@ -61,7 +61,7 @@ def regenerate(out: Path, examples: int, max_new_tokens: int) -> dict:
     done = out.is_file() and sum(1 for _ in out.open()) >= examples
     start = time.perf_counter()
     if not done:
-        subprocess.run([sys.executable, str(REPO / "scripts/regenerate.py"), "--target", str(REFERENCE_TARGET),
+        subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "regenerate", "--target", str(REFERENCE_TARGET),
                         "--data", "", "--split", "train", "--limit", str(examples), "--out", str(out),
                         "--max-new-tokens", str(max_new_tokens), "--batch-size", "32"], check=True)
     return {"examples": examples, "max_new_tokens": max_new_tokens, "file": str(out),

@@ -5,9 +5,9 @@ the same data for the same wall-clock budget; and EAGLE-3's peak training memory
         [--num-prompts 8] [--max-new-tokens 64] [--runs-dir runs/eagle3_ablation] [--memory]
         [--out benchmarks/eagle3_ablation.json]
 
-Each variant is the shipped recipe (EAGLE-1's or EAGLE-3's) with one or two overrides (the `d_` ones: one factor
-at a time from the shipped EAGLE-3 default; the `e3_frozen` ones from the default of stop 23), trained by
-scripts/bench.py's `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
+Each variant of benchmarks/eagle3_ablation_variants.yaml is a shipped recipe (EAGLE-1's or EAGLE-3's) with overrides
+(the `d_` ones: one factor at a time from the shipped EAGLE-3 default), trained by
+`draftsmith bench`'s `train` for `--budget-minutes` of training time (`loop.max_minutes`, the step limit
 lifted, so the schedules run over the budget) into `--runs-dir/<variant>`, with one evaluation at the
 end (its drafter is what is measured). With `--concurrent N`, N variants train at once with one thread each,
 so that the variants of a group share the cores equally for the same wall-clock budget (N = 4 on 2 cores and a
@@ -36,7 +36,6 @@ per token of the batch.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
@@ -46,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import yaml
 
 from draftsmith.data.core import find_drafter, has_drafter
 from draftsmith.data.dataset import DataConfig, heldout_rows
@@ -56,211 +56,12 @@ from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import bench
 from draftsmith.train.config import shipped
-from draftsmith.train.eagle import heldout_metrics
+from draftsmith.train.eagle import heldout_batches, heldout_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
-REGENERATED = "data/regenerated/reference-target/train.jsonl.gz"  # the EAGLE-3 recipe's data: T=0 and T=1 answers
-# placeholders in VARIANTS' overrides -> (file written beside the runs, its source): the T=1 answers alone of the
-# recipe's first regenerated data, and of the sampled answers to every training prompt
-T1_FILES = {"{T1}": ("regenerated_t1.jsonl.gz", REGENERATED),
-            "{T1ALL}": ("t1_all.jsonl.gz", "data/regenerated/reference-target/train_t1_all.jsonl.gz")}
-STOP22 = ["eagle.ttt_ramp=0.0", "loop.batch_size=8", "loop.lr=1e-3"]  # the EAGLE-3 recipe of stop 22 (5 TTT steps)
-K1, K500 = ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"], ["loop.max_steps=500"]  # stop 40: step 0 alone, 500 steps
-B40 = ["eagle.aux_layers=[2,4,5]", "eagle.fuse_weight=0.0"]  # the EAGLE-3 recipe before stop 40
-BEST = ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=2e-3"]  # the best combination the screen found
-F50_BF16 = ["eagle.ttt_fraction=0.5", "loop.mixed_precision=bf16"]  # the EAGLE-3 recipe of stop 42
-# one factor at a time from the EAGLE-3 baseline `e3_frozen` (head from the target's rows, frozen; ttt_steps 5; KL)
-VARIANTS = {
-    "eagle1": ("eagle1", []),
-    "e3_random": ("eagle3", ["eagle.head_init=random"]),
-    "e3_trainable": ("eagle3", ["eagle.head_init=trainable"]),
-    "e3_frozen": ("eagle3", ["eagle.head_init=frozen"]),
-    "e3_frozen_fc_norm": ("eagle3", ["eagle.head_init=frozen", "eagle.fc_norm=true"]),
-    "e3_frozen_ttt_ramp": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_ramp=0.5"]),
-    "e3_frozen_tv": ("eagle3", ["eagle.head_init=frozen", "eagle.loss=tv"]),
-    "e3_frozen_ttt3": ("eagle3", ["eagle.head_init=frozen", "eagle.ttt_steps=3"]),
-    "e3_default": ("eagle3", []),  # recipes/eagle3/tiny-code.yaml as shipped, set from the variants above
-    "eagle1_rep": ("eagle1", []),  # EAGLE-1 again, same seed: what contention alone changes
-    # one factor at a time from the shipped default (head frozen, fc_norm, TTT ramp 1, KL, draft vocabulary 2048)
-    "d_random_head": ("eagle3", ["eagle.head_init=random"]),
-    "d_trainable_head": ("eagle3", ["eagle.head_init=trainable"]),
-    "d_no_fc_norm": ("eagle3", ["eagle.fc_norm=false"]),
-    "d_ttt_constant": ("eagle3", ["eagle.ttt_ramp=0.0"]),
-    "d_tv": ("eagle3", ["eagle.loss=tv"]),
-    "d_vocab_4096": ("eagle3", ["eagle.draft_vocab_size=4096"]),  # the target's mass on it: 0.95 against 0.89
-    "d_lk": ("eagle3", ["eagle.loss=lk"]),
-    "d_one_layer": ("eagle3", ["eagle.num_layers=1"]),  # the recipe before stop 48
-    # screened (--screen), first one factor at a time from the recipe of stop 22 (STOP22), then combined
-    "e3_stop22": ("eagle3", STOP22),
-    "e3_ramp_0.5": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5"]),
-    "e3_ramp_1": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0"]),
-    "e3_decay_0.5": ("eagle3", STOP22 + ["eagle.decay=0.5"]),
-    "e3_layers_247": ("eagle3", STOP22 + ["eagle.aux_layers=[2,4,7]"]),
-    "e3_feature_weight": ("eagle3", STOP22 + ["eagle.feature_weight=1.0"]),
-    "e3_ramp_0.5_lr_2e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "loop.lr=2e-3"]),
-    "e3_ramp_0.5_layers_247": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "eagle.aux_layers=[2,4,7]"]),
-    "e3_ramp_0.5_batch_4": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "loop.batch_size=4"]),
-    "e3_ramp_0.5_ttt_3": ("eagle3", STOP22 + ["eagle.ttt_ramp=0.5", "eagle.ttt_steps=3"]),
-    "e3_ramp_1_batch_4": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.batch_size=4"]),
-    "e3_ramp_1_lr_2e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.lr=2e-3"]),
-    "e3_ramp_1_batch_4_lr_2e-3": ("eagle3", STOP22 + BEST),
-    "e3_ramp_1_batch_4_lr_3e-3": ("eagle3", STOP22 + ["eagle.ttt_ramp=1.0", "loop.batch_size=4", "loop.lr=3e-3"]),
-    "e3_best_vocab_8192": ("eagle3", STOP22 + BEST + ["eagle.draft_vocab_size=8192"]),
-    "e3_best_tv": ("eagle3", STOP22 + BEST + ["eagle.loss=tv"]),
-    "e3_best_fc_norm": ("eagle3", STOP22 + BEST + ["eagle.fc_norm=true"]),
-    "e3_best_layers_247": ("eagle3", STOP22 + BEST + ["eagle.aux_layers=[2,4,7]"]),
-    "eagle1_stop22": ("eagle1", ["loop.batch_size=8", "loop.lr=1e-3"]),  # EAGLE-1's recipe of stop 22
-    "eagle1_batch_4": ("eagle1", ["loop.batch_size=4", "loop.lr=1e-3"]),
-    "eagle1_batch_4_lr_2e-3": ("eagle1", ["loop.batch_size=4", "loop.lr=2e-3"]),
-    # stop 30, screened from the shipped default: EAGLE-1's input among the fused features (hidden_states[L], the
-    # target's final post-norm feature), and EAGLE-1's feature regression
-    "s_layers_248": ("eagle3", ["eagle.aux_layers=[2,4,8]"]),
-    "s_layers_468": ("eagle3", ["eagle.aux_layers=[4,6,8]"]),
-    "s_feature_weight": ("eagle3", ["eagle.feature_weight=1.0"]),
-    "s_layers_248_feature_weight": ("eagle3", ["eagle.aux_layers=[2,4,8]", "eagle.feature_weight=1.0"]),
-    # EAGLE-1's output: the target's whole head (frozen) read from features regressed towards the target's
-    "s_vocab_8192_feature_weight": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.feature_weight=1.0"]),
-    "s_layers_468_vocab_8192_feature_weight": ("eagle3", ["eagle.aux_layers=[4,6,8]", "eagle.draft_vocab_size=8192",
-                                                          "eagle.feature_weight=1.0"]),
-    # EAGLE-1's training regime: no unrolling, and with its feature noise
-    "s_ttt_1": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
-    "s_ttt_1_noise": ("eagle3", ["eagle.ttt_steps=1", "eagle.ttt_ramp=0.0", "eagle.feature_noise=0.2"]),
-    # stop 32, screened on held-out rows of the target's own answers too (--heldout-data): the training data (EAGLE-1's
-    # fixed answers; the regenerated answers sampled at T=1 alone, {T1}; EAGLE-1 on EAGLE-3's), the draft loss kept
-    # (loss_chunk 0, the recipes since), and the whole vocabulary (no missing mass) with it
-    "x_e3_fixed": ("eagle3", ["data.path="]),
-    "x_e3_t1": ("eagle3", ["data.path={T1}"]),
-    "x_e1_regen": ("eagle1", [f"data.path={REGENERATED}"]),
-    "y_lc0": ("eagle3", ["eagle.loss_chunk=0"]),
-    "y_e1_lc0": ("eagle1", ["eagle.loss_chunk=0"]),
-    "y_v8192_lc0": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0"]),
-    "y_v8192_lc0_t1": ("eagle3", ["eagle.draft_vocab_size=8192", "eagle.loss_chunk=0", "data.path={T1}"]),
-    # stop 34, 5 minutes each from the recipe of stop 33: each output regressed on the fused input step 0 reads one
-    # position on (input_weight); with it, the whole vocabulary, no unrolling, higher layers, EAGLE-1's regression
-    "w_e3": ("eagle3", []),
-    "w_e1": ("eagle1", []),
-    "w_input_1": ("eagle3", ["eagle.input_weight=1.0"]),
-    "w_input_3": ("eagle3", ["eagle.input_weight=3.0"]),
-    "w_input_1_vocab_8192": ("eagle3", ["eagle.input_weight=1.0", "eagle.draft_vocab_size=8192"]),
-    "w_input_1_ttt_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.ttt_steps=1", "eagle.ttt_ramp=0.0"]),
-    "w_input_1_layers_467": ("eagle3", ["eagle.input_weight=1.0", "eagle.aux_layers=[4,6,7]"]),
-    "w_input_1_feature_1": ("eagle3", ["eagle.input_weight=1.0", "eagle.feature_weight=1.0"]),
-    # stops 35-36, 5 minutes each from the recipe of stop 34 (before feature_weight 3 and the whole vocabulary): EAGLE-1's
-    # regression at several weights, the whole vocabulary with it, feature noise, lr, the loss decay along the draft
-    "v_e3": ("eagle3", []),
-    "v_e1": ("eagle1", []),
-    "v_feature_3": ("eagle3", ["eagle.feature_weight=3.0"]),
-    "v_noise": ("eagle3", ["eagle.feature_noise=0.2"]),
-    "v_lr_3e-3": ("eagle3", ["loop.lr=3.0e-3"]),
-    "v_f3_v8192": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192"]),
-    "v_f3_v8192_d05": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192", "eagle.decay=0.5"]),
-    "v_f3_v8192_d09": ("eagle3", ["eagle.feature_weight=3.0", "eagle.draft_vocab_size=8192", "eagle.decay=0.9"]),
-    "v_f1_v8192": ("eagle3", ["eagle.feature_weight=1.0", "eagle.draft_vocab_size=8192"]),
-    "v_f10": ("eagle3", ["eagle.feature_weight=10.0"]),
-    # stop 37, 5 minutes each from the recipe of stop 36 on the faster step (fused KL): the whole vocabulary (no
-    # missing mass at T=1) paid for with fewer unrolled steps
-    "x_e3": ("eagle3", []),
-    "x_e1": ("eagle1", []),
-    "x_v8192": ("eagle3", ["eagle.draft_vocab_size=8192"]),
-    "x_ttt2_v8192": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0", "eagle.draft_vocab_size=8192"]),
-    "x_ttt2_v8192_noise": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0", "eagle.draft_vocab_size=8192",
-                                      "eagle.feature_noise=0.2"]),
-    "x_ttt3_v8192": ("eagle3", ["eagle.ttt_steps=3", "eagle.ttt_ramp=0.0", "eagle.draft_vocab_size=8192"]),
-    # stop 38, 5 minutes each from stop 37's recipe (the whole vocabulary): LK's negative log-acceptance loss
-    "y_e3": ("eagle3", []),
-    "y_e1": ("eagle1", []),
-    "y_lk": ("eagle3", ["eagle.loss=lk"]),
-    "y_lk_v4096": ("eagle3", ["eagle.loss=lk", "eagle.draft_vocab_size=4096"]),
-    "y_b2": ("eagle3", ["loop.batch_size=2"]),
-    "y_b2_lr3e-3": ("eagle3", ["loop.batch_size=2", "loop.lr=3.0e-3"]),
-    "y_e1_b2": ("eagle1", ["loop.batch_size=2"]),
-    # stop 39: the target's final norm scale under the frozen head rows; the draft loss at the first step alone
-    "z_e3": ("eagle3", []),
-    "z_e1": ("eagle1", []),
-    "z_norm": ("eagle3", ["eagle.norm_init=target"]),
-    "z_h1": ("eagle3", ["eagle.head_steps=1"]),
-    "z_norm_h1": ("eagle3", ["eagle.norm_init=target", "eagle.head_steps=1"]),
-    # stop 39: the target's T=1 answers to every training prompt (6,708), not the first 2,880 only
-    "z_t1all": ("eagle3", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
-    "z_e1_t1all": ("eagle1", ["data.path=data/regenerated/reference-target/train_t1_all.jsonl.gz"]),
-    # stop 39: is the input regression (stop 34) still needed beside the feature regression (stop 36)?
-    "z_in0": ("eagle3", ["eagle.input_weight=0.0"]),
-    "z_in03": ("eagle3", ["eagle.input_weight=0.3"]),
-    # stop 40 (from the recipe before it, B40): step 0 alone (no unrolling), 500 steps each on EAGLE-3's data: which
-    # part of EAGLE-3 trails EAGLE-1 there; then the fused input regressed through the norm on the target's feature
-    "k_e1": ("eagle1", [f"data.path={REGENERATED}", *K500]),
-    "k_e3": ("eagle3", [*B40, *K1, *K500]),
-    "k_e3_567": ("eagle3", [*B40, *K1, *K500, "eagle.aux_layers=[5,6,7]"]),
-    "k_e3_in10": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=10.0"]),
-    "k_e3_in30": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=30.0"]),
-    "k_e3_in10_567": ("eagle3", [*B40, *K1, *K500, "eagle.input_weight=10.0", "eagle.aux_layers=[5,6,7]"]),
-    "k_fuse3": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0"]),
-    "k_fuse3_567": ("eagle3", [*B40, *K1, *K500, "eagle.fuse_weight=3.0", "eagle.aux_layers=[5,6,7]"]),
-    "k_fuse10_567": ("eagle3", [*K1, *K500]),  # fuse_weight 10, layers [5, 6, 7]: the recipe's since stop 40
-    # stop 40, 5 minutes each: the last three layers, and with fuse_weight unrolled to 5 (the recipe now), 2 or 1 steps
-    "a_e3": ("eagle3", B40),
-    "a_567": ("eagle3", [*B40, "eagle.aux_layers=[5,6,7]"]),
-    "f_r": ("eagle3", []),
-    "f_k2": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
-    "f_k1": ("eagle3", K1),
-    # stop 41, 5 minutes each: feature noise on the fused layers (uniform, +-noise * 512 / s / 2; their RMS is 5.3
-    # here, so 1.0 is about EAGLE-1's 0.2 on its RMS-1.2 feature), unrolled as the recipe, to 2 steps, or not at all
-    "n_noise1": ("eagle3", ["eagle.feature_noise=1.0"]),
-    "n_k2_noise1": ("eagle3", ["eagle.ttt_steps=2", "eagle.ttt_ramp=0.0", "eagle.feature_noise=1.0"]),
-    "n_k1_noise1": ("eagle3", [*K1, "eagle.feature_noise=1.0"]),
-    # stop 41, 5 minutes each: the steps after step 0 at a random share of the positions that train (ttt_fraction)
-    "q_f25": ("eagle3", ["eagle.ttt_fraction=0.25"]),
-    "q_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
-    "q_f25_k5": ("eagle3", ["eagle.ttt_fraction=0.25", "eagle.ttt_ramp=0.0"]),
-    # stop 41, 5 minutes each: EAGLE-3 on EAGLE-1's data (the reference examples' fixed answers), and on those with
-    # the target's T=1 answers to every training prompt (a throwaway mix written to runs/s41)
-    "d_fixed": ("eagle3", ["data.path="]),
-    "d_fixed_t1": ("eagle3", ["data.path=runs/s41/mix_fixed_t1.jsonl.gz"]),
-    "d_fixed_t1_g720": ("eagle3", ["data.path=runs/s41/mix_fixed_t1_g720.jsonl.gz"]),  # + the first 720 greedy
-    "d_fixed_t1_g1440": ("eagle3", ["data.path=runs/s41/mix_fixed_t1_g1440.jsonl.gz"]),  # answers, or 1,440
-    # stop 41: the recipe now (data.path '' + data.extra: the g720 mix, each source built alone), and with
-    # ttt_fraction 0.5
-    "r41": ("eagle3", []),
-    "r41_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
-    "e1_lb40": ("eagle1", []),  # stop 40's 5-minute leaderboard EAGLE-1 (runs/s41/e1_lb40 -> runs/lb40/eagle1), scored
-    # stop 42: ttt_fraction drawn per row (row_uniform), bf16 autocast (a CPU with avx512_bf16: matmuls ~3x faster),
-    # a higher learning rate
-    "r42_f50": ("eagle3", ["eagle.ttt_fraction=0.5"]),
-    "r42_f50_bf16": ("eagle3", F50_BF16),
-    "r42_f50_lr3": ("eagle3", ["eagle.ttt_fraction=0.5", "loop.lr=3e-3"]),
-    "e1_bf16": ("eagle1", ["loop.mixed_precision=bf16"]),
-    "b_bs2": ("eagle3", [*F50_BF16, "loop.batch_size=2"]),  # on r42_f50_bf16: half the batch, twice the steps
-    "b_f25": ("eagle3", ["eagle.ttt_fraction=0.25", "loop.mixed_precision=bf16"]),
-    "b_k2": ("eagle3", [*F50_BF16, "eagle.ttt_steps=2", "eagle.ttt_ramp=0.0"]),
-    "b_d5": ("eagle3", [*F50_BF16, "eagle.decay=0.5"]),  # the later steps' weight, decay^k
-    "b_d10": ("eagle3", [*F50_BF16, "eagle.decay=1.0"]),
-    # stop 44, 5 minutes each on the faster step (ttt_attention, metrics on logged steps alone): EAGLE-3's gradient
-    # norm is ~2 all run long (EAGLE-1's 0.1-0.3), so loop.grad_clip 0.5 rescales every step; a wider MLP
-    "c_e3": ("eagle3", []),
-    "c_e1": ("eagle1", []),
-    "c_clip0": ("eagle3", ["loop.grad_clip=0"]),
-    "c_clip2": ("eagle3", ["loop.grad_clip=2.0"]),
-    "c_mlp2x": ("eagle3", ["eagle.intermediate_size=1408"]),
-    # stop 45: the layer's key/value heads (the target's 2 of 8 carry the drafted token to the residual stream
-    # through 64 value dimensions)
-    "d_e3": ("eagle3", []),
-    "d_kv4": ("eagle3", ["eagle.num_key_value_heads=4"]),
-    "d_kv8": ("eagle3", ["eagle.num_key_value_heads=8"]),
-    "d_mlp2x_kv4": ("eagle3", ["eagle.intermediate_size=1408", "eagle.num_key_value_heads=4"]),
-    # the target's T=1 answers twice in the mix (64% of the packed rows against 47%)
-    "d_t1x2": ("eagle3", ["data.extra=[data/regenerated/reference-target/train_t1_g720.jsonl.gz,{T1ALL}]"]),
-    # stop 46: more step-0 updates in the budget (step 0 costs about an EAGLE-1 step, each later step ~40 ms more at
-    # ttt_fraction 0.5): later steps at a quarter of the positions, or one fewer unrolled step
-    "e_f25": ("eagle3", ["eagle.ttt_fraction=0.25"]),
-    "e_k4": ("eagle3", ["eagle.ttt_steps=4"]),
-    "e_mlp2x_f25": ("eagle3", ["eagle.intermediate_size=1408", "eagle.ttt_fraction=0.25"]),
-    # stop 47: step 0 trails EAGLE-1's at T=1 while its input is not the cause; the wider MLP (stop 44) helped it
-    "g_mlp3x": ("eagle3", ["eagle.intermediate_size=2112"]),
-    "g_mlp4x": ("eagle3", ["eagle.intermediate_size=2816"]),
-    "h_2layers": ("eagle3", ["eagle.num_layers=2"]),
-    "h_e1_2layers": ("eagle1", ["eagle.num_layers=2"]),
-}
+VARIANTS = {name: (key, overrides) for name, (key, overrides) in
+            yaml.safe_load((REPO / "benchmarks/eagle3_ablation_variants.yaml").read_text()).items()}
 SCREEN_STEPS = 5  # draft steps the screen measures (the chain's gamma)
 # one evaluation, at the end of the budget, on a few held-out rows and prompts: the decoding below measures
 COMMON = ["loop.save_every=1000000", "eval.heldout_examples=16", "eval.num_prompts=2"]
@@ -268,21 +69,8 @@ DECODINGS = {"chain": dict(mode="chain", gamma=5), "tree": dict(mode="tree", top
 TEMPERATURES = (0.0, 1.0)
 
 
-def t1_rows(out: Path, source: str) -> Path:
-    """The regenerated answers of `source` sampled at temperature 1 alone (ids ending -T1), written to `out`."""
-    if not out.is_file():
-        rows = [line for line in gzip.open(REPO / source, "rt") if json.loads(line)["id"].endswith("-T1")]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(out, "wt") as f:
-            f.writelines(rows)
-    return out
-
-
 def train_variant(name: str, run: Path, budget: float, target: str, threads: int | None = None) -> dict:
     key, overrides = VARIANTS[name]
-    for mark, (file, source) in T1_FILES.items():
-        if any(mark in o for o in overrides):
-            overrides = [o.replace(mark, str(t1_rows(run.parent / file, source))) for o in overrides]
     load = os.getloadavg()[0]
     wall = None
     if not has_drafter(run):
@@ -310,7 +98,8 @@ def decode(run: Path, target, prompts, max_new_tokens: int, baselines: dict) -> 
 def screen(run: Path, target, rows: list[dict]) -> dict:
     """The drafter's held-out per-step top-1 agreement and temperature-1 acceptance, and the chain tau they predict."""
     with torch.no_grad():
-        m = heldout_metrics(load_eagle(find_drafter(run), target).eval(), rows, SCREEN_STEPS)
+        method = load_eagle(find_drafter(run), target).eval()
+        m = heldout_metrics(method, heldout_batches(method, rows), SCREEN_STEPS)
     out = {"expected_tau": round(m["expected_tau"], 4), "expected_tau_t1": round(m["expected_tau_t1"], 4),
            **{name: [round(m[f"heldout_{name}_{k}"], 4) for k in range(SCREEN_STEPS)] for name in ("acc", "accept")}}
     print(f"  expected tau T=0 {out['expected_tau']:.3f}, T=1 {out['expected_tau_t1']:.3f}", flush=True)

@@ -5,7 +5,7 @@
 
 With an EAGLE-3 recipe (default: the reference target's, packed rows of 256 tokens, batch 8; a real
 target's, e.g. recipes/eagle3/smollm2-135m.yaml, measures a 30-layer target): writes
-the bf16 cache with scripts/cache_hidden_states.py, then trains the same number of steps (whole epochs)
+the bf16 cache with `draftsmith cache`, then trains the same number of steps (whole epochs)
 online and offline from the same seed, and reports tokens/s and seconds per epoch two ways: wall time
 (the loop's train_seconds: data loading and cache reads included, evaluation excluded) and CPU time per
 step, (CPU of an S-step run - CPU of a 1-step run) / (S - 1), which setup and evaluation cancel out of
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = [f"data.limit={args.limit}"]
     t, child_cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     recipe = REPO / args.recipe
-    subprocess.run([sys.executable, str(REPO / "scripts/cache_hidden_states.py"), "--config",
+    subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "cache", "--config",
                     str(recipe), *data, "--out", str(work / "cache")], check=True)
     write_seconds, usage = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
     write_cpu = usage.ru_utime + usage.ru_stime - child_cpu.ru_utime - child_cpu.ru_stime

@@ -1,4 +1,4 @@
-"""Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma (issue #19).
+"""Measure the decoder's per-step cost, the sharded evaluation and adaptive gamma.
 
     python scripts/bench_perf.py [--sections verify eval adaptive profile] [--medusa runs/medusa1-tiny-code/best]
         [--eagle DIR] [--drafters NAME ...] [--repeats N] [--cut] [--compile] [--out benchmarks/perf.json]
@@ -11,7 +11,7 @@ rollback, commit), beside the target alone over the same 5 and 1 tokens on the s
 eval: the checkpoint evaluation's decoding (8 held-out prompts x 64 tokens, the main job's settings, the
 Medusa tree of --medusa or else prompt lookup), timed in one process and sharded over 2 gloo processes
 (decoding/evaluate.py `sharded`); tau must be equal.
-adaptive: the leaderboard's prompts (scripts/bench.py: 20 held-out x 128 tokens), per prompt back to back:
+adaptive: the leaderboard's prompts (`draftsmith bench`: 20 held-out x 128 tokens), per prompt back to back:
 plain decoding, each fixed gamma, and adaptive gamma (decoding/adaptive.py, at most the largest fixed
 gamma), over the prompts --repeats times (adaptive's estimates carry over, as in a server), for prompt lookup, the untrained 2-layer draft model, and with --eagle an EAGLE run's chain and
 EAGLE-2 tree (depth). Greedy; every output checked against plain decoding. With --repeats > 1 also

@@ -9,7 +9,7 @@ curve (decoding/cost.py: one forward over k = 1, 2, 4, 8, 16, 32 new tokens on a
 medians of shuffled rounds), absolute and relative to a 1-token forward. Writes them under
 `targets.<name>` of `benchmarks/real_targets.json`, keeping everything else in the file.
 
-With `--leaderboard`, measures nothing: it writes what a leaderboard on a real target (`scripts/bench.py
+With `--leaderboard`, measures nothing: it writes what a leaderboard on a real target (`draftsmith bench
 --target NAME`) found per method (train/bench.py `real_target_rows`: budget, steps, tokens seen, tau at T=0 / T=1
 per decoding, acceptance by position, greedy equality, measured and predicted speedup) under
 `targets.<name>.methods`.

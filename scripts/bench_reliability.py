@@ -2,7 +2,7 @@
 
     python scripts/bench_reliability.py [--out benchmarks/reliability.json] [--only NAME ...]
 
-Every case runs the real command lines (train/*.py, scripts/*.py, scripts/main.sh) in a subprocess on the
+Every case runs the real command lines (train/*.py, the draftsmith command, scripts/main.sh) in a subprocess on the
 committed reference target, with tiny overrides so that training cases take seconds. Per case it records
 what was tried, the exit status, the message the user saw (the last line of the output), whether a
 Python traceback was shown, what was left on disk (the run directory, each checkpoint and whether its
@@ -33,6 +33,7 @@ from draftsmith.train.loop import checkpoints
 REPO = Path(__file__).resolve().parent.parent
 WORK = REPO / "runs" / "bench-reliability"
 PY = sys.executable
+DRAFTSMITH = [str(Path(PY).parent / "draftsmith")]  # the console script, as a user runs it
 TINY = ["loop.max_steps=2", "loop.batch_size=2", "data.limit=16", "data.pack=false", "eval.num_prompts=1",
         "eval.max_new_tokens=8", "eval.heldout_examples=4", "loop.save_every=1", "loop.keep_last=2", "loop.log_every=1"]
 LONG = [*TINY, "loop.max_steps=400", "loop.save_every=200", "eval.num_prompts=0", "loop.best_metric="]
@@ -180,7 +181,7 @@ def leftover_tmp(d: Path) -> dict:
     shutil.copytree(d / "checkpoint-2", d / "checkpoint-3.tmp")
     (d / "checkpoint-3.tmp" / "trainable.safetensors").write_bytes(b"half")
     r = command(train_cmd(f"loop.output_dir={d}", *TINY, "loop.max_steps=3"))
-    e = command([PY, "scripts/export.py", str(d), "--format", "medusa", "--out", str(d / "export")])
+    e = command([*DRAFTSMITH, "export", str(d), "--format", "medusa", "--out", str(d / "export")])
     return {**r, "output": r["output"] + e["output"], "rc": r["rc"] or e["rc"]}
 
 
@@ -224,23 +225,23 @@ def low_disk_checkpoint(d: Path) -> dict:
 
 def low_disk_export(d: Path) -> dict:
     trained(d)
-    return command([PY, "-c", LOW_DISK, "scripts/export.py", str(d), "--format", "hf", "--out", str(d / "export")])
+    return command([PY, "-c", LOW_DISK, DRAFTSMITH[0], "export", str(d), "--format", "hf", "--out", str(d / "export")])
 
 
 def export_case(script: str, fmt: str, *extra: str) -> Callable[[Path], dict]:
     """Train a tiny run of `script` from the repository with its recipe's relative target.path, export it, and
-    evaluate the export with scripts/evaluate.py; the record keeps the export's target fields and both taus."""
+    evaluate the export with `draftsmith evaluate`; the record keeps the export's target fields and both taus."""
     def run(d: Path) -> dict:
         r = command(train_cmd(f"loop.output_dir={d}", *TINY, *extra, script=script))
         if r["rc"]:
             return r
         out = d / f"export-{fmt}"
-        e = command([PY, "scripts/export.py", str(d), "--format", fmt, "--out", str(out)])
+        e = command([*DRAFTSMITH, "export", str(d), "--format", fmt, "--out", str(out)])
         if e["rc"]:
             return e
         best = json.loads((d / "best" / "best.json").read_text())
         logged = best.get("tau", best.get("tau_exit2"))
-        v = command([PY, "scripts/evaluate.py", "--drafter", str(out), "--num-prompts", "1", "--max-new-tokens", "8",
+        v = command([*DRAFTSMITH, "evaluate", "--drafter", str(out), "--num-prompts", "1", "--max-new-tokens", "8",
                      "--out", str(d / "evaluate.json")])
         side = json.loads((out / "draftsmith_export.json").read_text())
         measured = json.loads((d / "evaluate.json").read_text())["tau"] if not v["rc"] else None
@@ -261,7 +262,7 @@ def exported(d: Path, *args: str) -> dict:
     trained(d)
     (d / "taken").mkdir()
     (d / "taken" / "file").write_text("user data")
-    return command([PY, "scripts/export.py", str(d), *args])
+    return command([*DRAFTSMITH, "export", str(d), *args])
 
 
 def cut(f: Path, keep: int = 200) -> None:
@@ -272,7 +273,7 @@ def cut(f: Path, keep: int = 200) -> None:
 def cache_shard_cut(d: Path) -> dict:
     """An EAGLE-1 hidden-state cache of 16 rows in 2 shards, the second cut to 200 bytes; train from it."""
     cache = d.parent / f"{d.name}-cache"
-    r = command([PY, "scripts/cache_hidden_states.py", "--config", "recipes/eagle/tiny-code.yaml", "--out", str(cache),
+    r = command([*DRAFTSMITH, "cache", "--config", "recipes/eagle/tiny-code.yaml", "--out", str(cache),
                  "--shard-tokens", "2000", "data.limit=16", "data.cache=false"])
     if r["rc"]:
         raise RuntimeError(f"set-up cache failed: {message(r['output'])}")
@@ -285,18 +286,18 @@ def damaged_drafter(name: str, damage: Callable[[Path], None]) -> Callable[[Path
     def run(d: Path) -> dict:
         trained(d)
         damage(d / "best" / name)
-        return command([PY, "scripts/export.py", str(d), "--format", "medusa", "--out", str(d / "export")])
+        return command([*DRAFTSMITH, "export", str(d), "--format", "medusa", "--out", str(d / "export")])
     return run
 
 
 def damaged_export(d: Path) -> dict:
     """A Medusa export whose weights are cut; evaluate it."""
     trained(d)
-    e = command([PY, "scripts/export.py", str(d), "--format", "medusa", "--out", str(d / "export")])
+    e = command([*DRAFTSMITH, "export", str(d), "--format", "medusa", "--out", str(d / "export")])
     if e["rc"]:
         raise RuntimeError(f"set-up export failed: {message(e['output'])}")
     cut(d / "export" / "medusa_lm_head.safetensors")
-    return command([PY, "scripts/evaluate.py", "--drafter", str(d / "export"), "--num-prompts", "1",
+    return command([*DRAFTSMITH, "evaluate", "--drafter", str(d / "export"), "--num-prompts", "1",
                     "--max-new-tokens", "8", "--out", str(d / "evaluate.json")])
 
 

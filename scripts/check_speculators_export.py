@@ -9,7 +9,7 @@ imports nothing from draftsmith: it builds speculators' Eagle3DraftModel from OU
 the verifier's embedding (speculators' own verifier loading did not, with speculators 0.9.0; vLLM shares the target's),
 runs its forward for one step on the same row and prints the share of positions drafting the same token and the
 largest hidden-state difference. Its later teacher-forced steps are not compared: speculators' training loop, not what
-vLLM serves, differed from the drafter's for one-layer exports as much as for multi-layer ones (stop 48).
+vLLM serves, differed from the drafter's for one-layer exports as much as for multi-layer ones.
 """
 
 from __future__ import annotations
@@ -71,5 +71,7 @@ if __name__ == "__main__":
         prepare(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         check(Path(sys.argv[2]))
+    elif sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
     else:
         sys.exit("usage: check_speculators_export.py prepare RUN OUT | check OUT")

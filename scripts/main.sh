@@ -9,4 +9,4 @@ for arg in "$@"; do [[ "$arg" == loop.output_dir=* ]] && run="${arg#loop.output_
 # -q: a failed run prints its one-line error without accelerate's own traceback after it
 accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
   train/medusa.py --config recipes/medusa/medusa1-tiny-code.yaml "$@"
-python scripts/export.py "$run" --format medusa --out "$run/export" --overwrite
+draftsmith export "$run" --format medusa --out "$run/export" --overwrite

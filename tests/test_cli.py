@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from draftsmith.models import registry
 from draftsmith.recipes import RECIPES
-from draftsmith.train import cli
+from draftsmith.train import bench, cli, gpu_check
 from draftsmith.train import config as C
 
 TINY = ["data.limit=48", "data.max_length=128", "data.cache=false", "loop.batch_size=2", "loop.max_steps=2",
@@ -48,3 +50,21 @@ def test_recipe_inputs_resolve_to_the_shipped_files_from_any_directory(tmp_path,
     regenerated = "data/regenerated/reference-target/train.jsonl.gz"
     cfg = C.load(cli.TRAIN["eagle3"].Recipe, None, [f"data.extra=['', {regenerated}]"])  # each of a list of paths
     assert cfg.data.extra == ["", str(C.SHIPPED["data"] / "regenerated/reference-target/train.jsonl.gz")]
+
+
+def test_every_advertised_command_is_wired_and_answers_its_help(capsys):
+    advertised = set(re.findall(r"^    draftsmith ([a-z-]+)", cli.__doc__, re.M)) - {"COMMAND"}
+    assert advertised == {"train", *cli.COMMANDS} >= {"train", "evaluate", "export", "bench", "cache", "regenerate",
+                                                       "self-distill", "gpu-check"}
+    for command in cli.COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            cli.run([command, "--help"])
+        assert e.value.code == 0, command
+        assert "usage:" in capsys.readouterr().out
+
+
+def test_the_registry_is_the_one_method_list_the_cli_leaderboard_and_gpu_check_read():
+    assert list(cli.TRAIN) == registry.ENTRIES
+    assert all((RECIPES / r.recipe).is_file() and r.entry in cli.TRAIN for r in registry.RECIPES)
+    keys = [r.key for r in registry.RECIPES]
+    assert [m.key for m in bench.METHODS if m.script] == keys == list(gpu_check.CHECKS)

@@ -1,4 +1,4 @@
-"""The evaluator, the per-checkpoint evaluator and scripts/evaluate.py on a tiny model with a real tokenizer."""
+"""The evaluator, the per-checkpoint evaluator and `draftsmith evaluate` on a tiny model with a real tokenizer."""
 
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def test_draft_from_a_checkpoint_and_the_tokenizer_check(tiny_chat_target, tmp_p
     with pytest.raises(ValueError, match="has no tokenizer"):
         build_draft(target, DistillConfig(init="checkpoint", checkpoint=str(tmp_path / "bare")))
 
-    from draftsmith.train import distill as script  # the entry script fails before building data or a run dir
+    from draftsmith.train import distill as script  # the entry script fails before any run dir
 
     with pytest.raises(ValueError, match="tokenizer differs"):
         script.main(["--config", str(REPO / "recipes/distill/tiny-code.yaml"), f"target.path={tiny_chat_target}",

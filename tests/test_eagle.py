@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import chi2_two_tokens, randomise, script, train_steps
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data.core import collate
 from draftsmith.decoding import cache as kv
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
@@ -282,42 +283,6 @@ def test_eagle3_head_starts_from_the_targets_rows_picked_by_t2d(head_init):
     assert m.drafter.fc.weight.grad is not None and target.embed.weight.grad is None
 
 
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_eagle3_norm_from_the_target_makes_norm_and_head_the_targets_own(arch):
-    """norm_init=target: the drafter's norm + head on any hidden state give the target's own logits (its final norm,
-    Gemma's 1 + w scale included, then its head) over the draft vocabulary; ones: they do not."""
-    torch.manual_seed(0)
-    target = tiny_target() if arch == "llama" else Target(Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, final_logit_softcapping=None)).requires_grad_(False), None, "tiny")
-    with torch.no_grad():
-        target.model.get_decoder().norm.weight.uniform_(0.5, 2.0)
-    draft_ids = torch.tensor([3, 7, 8, 20, 41, 95])
-    x = torch.randn(5, target.config.hidden_size) * 3  # pre-norm hidden states
-    want = target.logits(target.model.get_decoder().norm(x))[:, draft_ids]
-    for norm_init in ("target", "ones"):
-        m = Eagle(target, EagleConfig(version=3, ttt_steps=2, norm_init=norm_init), draft_ids)
-        got = m.drafter.logits(x, target.lm_head)
-        assert torch.allclose(got, want, atol=1e-5) == (norm_init == "target")
-
-
-def test_head_steps_trains_the_draft_loss_at_the_first_steps_alone():
-    """head_steps=1: steps after the first learn from the regressions alone, so the (trainable) head's gradient is
-    that of one unrolled step, and their acceptance is not reported in training; evaluation still drafts them all."""
-    grads, metrics = [], []
-    for steps, head_steps in ((3, 1), (1, 0)):
-        m = method(3, ttt_steps=3, head_init="trainable", feature_weight=1.0, input_weight=1.0,
-                   head_steps=head_steps).train()
-        loss, out = m.ttt(batch(), steps)
-        loss.backward()
-        grads.append(m.drafter.lm_head.weight.grad)
-        metrics.append(out)
-    assert torch.allclose(grads[0], grads[1], atol=1e-6) and grads[0].abs().sum() > 0
-    assert {k for k in metrics[0] if k.startswith("accept_")} == {"accept_0"} and metrics[0]["loss_2"] > 0
-    assert {k for k in m.eval().ttt(batch(), 3)[1] if k.startswith("accept_")} == {"accept_0", "accept_1", "accept_2"}
-    with pytest.raises(ConfigError, match="eagle.head_steps"):
-        EagleConfig(version=3, head_steps=1)  # no regression would train the later steps
 
 def test_fc_norm_normalises_each_captured_layer_before_fc():
     """EAGLE 3.1: with fc_norm, scaling one captured layer's features leaves the drafter's output unchanged (RMSNorm
@@ -696,7 +661,7 @@ def test_a_sampled_tree_is_shaped_by_each_draws_chance_of_acceptance():
 
 def test_a_sampled_tree_keeps_the_targets_distribution_where_a_q_scored_one_did_not():
     """The first token out of a sampled tree, drawn many times from a fixed q against a fixed p: chi-square
-    against p. Scoring a later draw by its own q (EAGLE-2's way, this tree's before stop 46) kept the root's
+    against p. Scoring a later draw by its own q (EAGLE-2's way) kept the root's
     second draw when it was the likelier of the two tokens left and dropped it when it was the rarer one; that
     skewed the output (token 0 came out at 0.20 against p's 0.32, chi-square 125 over 2,000 draws here)."""
     q, p = torch.tensor([0.031, 0.07, 0.899]), torch.tensor([0.316, 0.674, 0.01])
@@ -761,6 +726,23 @@ def run_recipe(entry: str, recipe: str, target: Path, out: Path, *extra: str):
                                "data.limit=40", "data.max_length=160", "data.cache=false", "eval.heldout_examples=12",
                                "eval.num_prompts=2", "eval.max_new_tokens=8", "loop.batch_size=2", "loop.log_every=1",
                                "loop.max_steps=4", "loop.save_every=2", "loop.lr=3e-3", *extra])
+
+
+@pytest.mark.parametrize("version,draft_ids", [(1, None), (3, torch.arange(0, V, 3))])
+def test_heldout_metrics_from_kept_target_features_equal_those_from_target_forwards(version, draft_ids):
+    """The checkpoint evaluation runs the target over the held-out rows once (`heldout_batches`); every later
+    evaluation's metrics equal those of running the target again."""
+    entry, m = script("train/eagle.py"), method(version, 3, draft_ids)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, V, (n,), generator=g).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+            for n in (14, 9, 12, 7, 10)]  # ragged: padded batches
+    online = entry.heldout_metrics(m, [collate(rows[i: i + 2]) for i in range(0, len(rows), 2)], 4)
+    batches = entry.heldout_batches(m, rows, batch_size=2)
+    assert {"hidden", "aux", "log_z", "greedy"} & set(batches[0]) == ({"hidden"} if version == 1 else
+                                                                       {"hidden", "aux", "log_z", "greedy"})
+    kept = entry.heldout_metrics(m, batches, 4)
+    assert kept.keys() == online.keys() and "heldout_cond_acc_3" in kept
+    assert kept == pytest.approx(online, abs=1e-5)
 
 
 def test_shipped_recipes_parse():

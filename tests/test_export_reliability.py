@@ -1,5 +1,5 @@
 """Exports carry a target reference that resolves from anywhere, the same way for every method; LayerSkip exports;
-scripts/evaluate.py measures every export format as the checkpoint evaluation measured the checkpoint."""
+`draftsmith evaluate` measures every export format as the checkpoint evaluation measured the checkpoint."""
 
 from __future__ import annotations
 

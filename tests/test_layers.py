@@ -1,4 +1,4 @@
-"""The layers point down only (docs: README "Architecture"): the imports of every module, parsed, never run.
+"""The layers point down only (docs/architecture.md): the imports of every module, parsed, never run.
 
     core (data/core.py) < data < decoding < models < train < scripts
 """

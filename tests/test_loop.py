@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.models.lm import CausalLM
@@ -215,9 +216,12 @@ def test_time_budgeted_run_decays_its_learning_rate(tmp_path):
     # a run stopped by loop.max_minutes ends its schedule there: the LR has decayed to 0 at the last step, where a
     # schedule over the (far) step limit would still be at its peak
     cfg = loop_cfg(tmp_path, max_steps=10**6, max_minutes=0.05, warmup_ratio=0.0, schedule="linear", save_every=10**6)
-    Loop(cfg, tiny_method(), Recorder()).run()
+    loop = Loop(cfg, tiny_method(), Recorder())
+    loop.run()
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     assert lrs[-1] == 0.0 and lrs == sorted(lrs, reverse=True)
+    # the progress bar follows the budget that bound (time), not the far step limit: full at the end
+    assert loop.state.step < 10**3 and loop.bar.n == loop.bar.total == 1000
 
 
 def test_the_loop_hands_its_progress_to_a_method_that_declares_one(tmp_path):
@@ -251,3 +255,8 @@ def test_loops_in_one_process_may_choose_other_precisions(tmp_path):
         loop = Loop(loop_cfg(tmp_path / str(i), max_steps=2, mixed_precision=precision), tiny_method(), Recorder())
         assert loop.accelerator.mixed_precision == precision
         loop.run()
+
+
+def test_a_module_that_does_not_meet_the_method_contract_is_refused_by_name(tmp_path):
+    with pytest.raises(TypeError, match="Linear does not meet the method contract .* lacks progress, measuring"):
+        Loop(loop_cfg(tmp_path), nn.Linear(2, 2), Recorder())

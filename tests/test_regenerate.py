@@ -1,8 +1,9 @@
-"""scripts/regenerate.py on a tiny random Llama: batched turn-by-turn regeneration, and resume."""
+"""`draftsmith regenerate` on a tiny random Llama: batched turn-by-turn regeneration, and resume."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,126 @@ def test_too_little_disk_for_the_output_is_refused_before_generating(target, tmp
                                              r": needs about .* free space or write --out elsewhere"):
         run(target, data, tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---- through an OpenAI-compatible server (tests/openai_server.py) ---------------------------------------------
+
+def by_id(rows: list[dict]) -> dict[str, dict]:
+    return {r["id"]: r for r in rows}
+
+
+def test_a_server_answers_as_the_in_process_path_does(target, tmp_path):
+    """A server serving the same weights greedily gives the very rows the in-process path writes (the prompt goes as the
+    token ids of the target's own chat template rendering), with what answered in OUT.settings.json."""
+    from openai_server import FakeServer, greedy
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    here = run(target, data, tmp_path / "here.jsonl")
+    with FakeServer(greedy(target)) as server:
+        served = run(target, data, tmp_path / "served.jsonl", "--server", server.url + "/v1/")
+    assert len(served) == len(ROWS) and by_id(served) == by_id(here)
+    assert len(server.requests) == 5  # one per assistant turn: 1 + 2 + 1 + 1
+    assert all(b["model"] == "fake-target" and b["max_tokens"] == 6 and b["temperature"] == 0 and b["top_k"] == -1
+               and b["top_p"] == 1.0 and b["min_p"] == 0.0 and all(isinstance(i, int) for i in b["prompt"])
+               for b in server.requests)
+    settings = json.loads((tmp_path / "served.settings.json").read_text())
+    (answerer,) = settings["answered_by"]
+    assert answerer["server"] == server.url and answerer["model"] == {"id": "fake-target"}
+    assert answerer["endpoint"] == "/v1/completions" and answerer["request"]["min_p"] == 0.0
+    here_settings = json.loads((tmp_path / "here.settings.json").read_text())
+    assert here_settings["answered_by"] == [{"in_process": "transformers generate", "dtype": "float32",
+                                             "device": "cpu"}]
+    assert {k: v for k, v in settings.items() if k not in ("answered_by", "command")} == \
+        {k: v for k, v in here_settings.items() if k not in ("answered_by", "command")}
+    assert settings["sampling"] == {"temperatures": [0.0], "top_k": 0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+
+
+def test_a_server_gets_batch_size_requests_at_once(target, tmp_path):
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({**r, "id": f"{r['id']}-{k}"}) + "\n" for k in range(3) for r in ROWS))
+    with FakeServer(echo, delay=0.2) as server:
+        rows = run(target, data, tmp_path / "out.jsonl", "--server", server.url, "--batch-size", "4")
+    assert sorted(r["id"] for r in rows) == sorted(f"{r['id']}-{k}" for k in range(3) for r in ROWS)
+    assert len(server.requests) == 15 and server.most_in_flight == 4
+
+
+def test_sampling_is_sent_seeded_and_recorded_and_a_change_of_it_is_refused_on_resume(target, tmp_path):
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    args = ("--temperature", "0.7", "--seed", "5")
+    with FakeServer(echo) as server:
+        first = run(target, data, tmp_path / "a.jsonl", "--server", server.url, *args)
+        again = run(target, data, tmp_path / "b.jsonl", "--server", server.url, *args)
+        other = run(target, data, tmp_path / "c.jsonl", "--server", server.url, "--temperature", "0.7")
+        assert by_id(first) == by_id(again) != by_id(other)  # the seed of a request: the run's seed and the prompt
+        assert {b["temperature"] for b in server.requests} == {0.7}
+        assert len({b["seed"] for b in server.requests}) == 10  # five prompts, two run seeds
+        settings = json.loads((tmp_path / "a.settings.json").read_text())
+        assert settings["sampling"]["temperatures"] == [0.7] and settings["sampling"]["seed"] == 5
+        assert settings["command"].endswith("--temperature 0.7 --seed 5")
+        lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+        (tmp_path / "a.jsonl").write_text(lines[0])
+        with pytest.raises(ValueError, match=r"a.jsonl holds rows sampled with .*'temperatures': \[0.7\].* not .*"
+                                             r"\[1.0\].*; rerun with the same options or write --out elsewhere"):
+            run(target, data, tmp_path / "a.jsonl", "--server", server.url, "--temperature", "1", "--seed", "5")
+
+
+def test_a_server_that_dies_mid_run_loses_nothing_and_a_rerun_continues(target, tmp_path):
+    from openai_server import FakeServer, greedy
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({**r, "id": f"{r['id']}-{k}"}) + "\n" for k in range(2) for r in ROWS))
+    out = tmp_path / "out.jsonl"
+    answer = greedy(target)
+    with FakeServer(answer, die_after=4) as server:
+        with pytest.raises(regenerate.ServerError, match=rf"no answer from {server.url}/v1/completions .* of 8 "
+                                                         rf"conversations were written to {out}: rerun the same"):
+            run(target, data, out, "--server", server.url, "--batch-size", "2")
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert out.read_text().endswith("\n") and 1 <= len(kept) < 8
+    with FakeServer(answer) as second:  # restarted, here on another port
+        rows = run(target, data, out, "--server", second.url, "--batch-size", "2")
+    assert rows[: len(kept)] == kept and sorted(r["id"] for r in rows) == sorted(by_id(rows))  # no duplicates
+    assert len(rows) == 8 and by_id(rows) == by_id(run(target, data, tmp_path / "here.jsonl"))  # nothing lost
+    answered_by = json.loads((tmp_path / "out.settings.json").read_text())["answered_by"]
+    assert [a["server"] for a in answered_by] == [server.url, second.url]
+
+
+@pytest.mark.parametrize("case", ["unreachable", "models", "completions", "no choices", "http error"])
+def test_an_unreachable_or_garbage_server_is_one_line_and_no_file(target, tmp_path, case):
+    import socket
+
+    from openai_server import FakeServer, echo
+
+    from draftsmith.train.guard import cli
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out.jsonl"
+    fake = FakeServer(echo, models=b"<html>It works!</html>" if case == "models" else None,
+                      garbage={"completions": b"<html>It works!</html>", "no choices": b'{"id": 1}'}.get(case))
+    expected = {"unreachable": r"no answer from .*/v1/models \(.*refused\); start the server or fix --server",
+                "models": r"/v1/models did not answer JSON \(b'<html>It works!</html>'\); is --server an "
+                          r"OpenAI-compatible server \(llama-server, vLLM, SGLang\)\?",
+                "completions": r"/v1/completions did not answer JSON \(b'<html>It works!</html>'\); is --server",
+                "no choices": r"/v1/completions answered without choices\[0\].text \(\{'id': 1\}\); is --server",
+                "http error": r"/nowhere/v1/models answered HTTP 404: \{\"error\": \"not found\"\}"}[case]
+    argv = ["--target", str(target), "--data", str(data), "--out", str(out), "--max-new-tokens", "6",
+            "--server", fake.url + ("/nowhere" if case == "http error" else "")]
+    if case == "unreachable":
+        fake.httpd.server_close()  # never started: nothing listens on its port
+        with socket.socket() as probe:
+            assert probe.connect_ex(fake.httpd.server_address) != 0
+        with pytest.raises(SystemExit) as stop:
+            cli(regenerate.main, argv)
+    else:
+        with fake, pytest.raises(SystemExit) as stop:
+            cli(regenerate.main, argv)
+    message = str(stop.value.code)
+    assert "\n" not in message and re.search(expected, message), message
+    assert not out.is_file() or out.read_text() == ""

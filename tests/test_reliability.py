@@ -17,6 +17,7 @@ import yaml
 from test_loop import Recorder, loop_cfg, tiny_method
 
 from draftsmith.data import core
+from draftsmith.models.method import MethodBase
 from draftsmith.models.target import REFERENCE_TARGET, load_target
 from draftsmith.train import guard
 from draftsmith.train import loop as L
@@ -113,7 +114,7 @@ def test_declared_metric_names_cover_what_the_evaluation_logs(tmp_path):
 
 # ---- divergence ------------------------------------------------------------------------------------
 
-class AtStep(torch.nn.Module):
+class AtStep(MethodBase):
     """A tiny causal LM whose loss goes through `fault(loss, first)` from step `at` on (first: its first
     micro-batch; the loop config has 2 micro-batches a step)."""
 

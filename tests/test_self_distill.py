@@ -1,4 +1,4 @@
-"""Self-distilled data for real targets: the prompt builder and scripts/self_distill.py end to end (tiny target)."""
+"""Self-distilled data for real targets: the prompt builder and `draftsmith self-distill` end to end (tiny target)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import shutil
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.prompts import build_prompts, build_text_prompts
+from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
 from draftsmith.data.reference import load_prompts
 from draftsmith.train import self_distill
 
@@ -110,3 +110,51 @@ def test_a_base_model_without_a_chat_template_continues_text(tiny_chat_target, t
     assert len(rows) == settings["answered"]["train"] and all(sum(r["loss_mask"]) > 0 for r in rows)
     prompts = load_prompts(tmp_path / "out" / "heldout_prompts.jsonl")
     assert len(prompts) == settings["answered"]["heldout"] and all("prompt" in p for p in prompts)
+
+
+def test_self_distill_through_a_server_answers_as_in_process_and_records_it(tiny_chat_target, tmp_path):
+    """`--server URL` (tests/openai_server.py, serving the same weights greedily): the same answers as the in-process
+    path, and settings.json names the server that answered; --finalize needs no server."""
+    from openai_server import FakeServer, greedy
+
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "24", "--max-new-tokens", "5", "--batch-size", "4",
+            "--temperature", "0", "--out", str(tmp_path / "out")]
+    self_distill.main(args + ["--work", str(tmp_path / "here")])
+    with FakeServer(greedy(tiny_chat_target)) as server:
+        self_distill.main(args + ["--work", str(tmp_path / "served"), "--server", server.url])
+    assert server.most_in_flight == 4
+    self_distill.main(args + ["--work", str(tmp_path / "served"), "--server", server.url, "--finalize"])
+
+    def answers(work: str) -> dict:
+        return {r["id"]: r for r in map(json.loads, open(tmp_path / work / "answers.jsonl"))}
+    served = answers("served")
+    assert len(served) == 24 and served == answers("here")
+    assert any(r["kind"] == "multi_turn" for r in served.values())
+    settings = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert [a.get("server") for a in settings["answered_by"]] == [server.url]
+    assert settings["sampling"]["temperature"] == 0 and settings["command"].endswith(f"--server {server.url}")
+
+
+def test_more_prompts_are_new_training_prompts_and_leave_the_held_out_split_alone(tiny_chat_target, tmp_path):
+    base = build_prompts(300, seed=1)
+    more = build_more_prompts(300, 60, seed=1)
+    assert len(more) == 60 and len({r["id"] for r in more}) == 60 and build_more_prompts(300, 60, seed=1) == more
+    assert not {r["id"] for r in more} & {r["id"] for r in base}
+    assert all(r["split"] == "train" for r in more)  # the held-out split stays build_prompts(300)'s
+    heldout_firsts = {r["messages"][0]["content"] for r in base if r["split"] == "heldout"}
+    assert not any(r["messages"][0]["content"] in heldout_firsts for r in more)  # no held-out question trained on
+
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "30", "--max-new-tokens", "4", "--batch-size", "8",
+            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    self_distill.main(args)
+    self_distill.main(args + ["--finalize"])
+    heldout = (tmp_path / "out" / "heldout_prompts.jsonl").read_text()
+    before = json.loads((tmp_path / "out" / "settings.json").read_text())
+    self_distill.main(args + ["--more-prompts", "12"])  # resumes: only the 12 new prompts are answered
+    self_distill.main(args + ["--more-prompts", "12", "--finalize"])
+    after = json.loads((tmp_path / "out" / "settings.json").read_text())
+    assert after["answered"] == {"train": before["answered"]["train"] + 12, "heldout": before["answered"]["heldout"]}
+    assert after["prompts"]["train"] == before["prompts"]["train"] + 12 and after["more_prompts"] == 12
+    assert (tmp_path / "out" / "heldout_prompts.jsonl").read_text() == heldout
+    answers = [json.loads(line) for line in open(tmp_path / "work" / "answers.jsonl")]
+    assert len(answers) == 42 and {r["id"] for r in answers[30:]} == {r["id"] for r in build_more_prompts(30, 12)}

@@ -5,7 +5,7 @@
         [--runs-dir runs/bench]
         [--override [METHOD:]KEY=VALUE ...] [--out benchmarks/leaderboard.json]
 
-For each method of METHODS: train it on the target with its default recipe for
+For each method of METHODS (the untrained baselines, then every recipe of models/registry.py): train it on the target with its default recipe for
 `--budget-minutes` of training time (`loop.max_minutes`; evaluations excluded) into
 `--runs-dir/<method>`, resuming a run there if one was cut short. The time budget binds for every
 method (the recipe's max_steps is lifted), and the loop's schedules (LR warm-up and decay, Medusa-2's
@@ -77,11 +77,12 @@ from draftsmith.data.reference import PROMPTS_PATH, load_prompts
 from draftsmith.decoding.bench import BASELINES, TEMPERATURES, Drafting, evaluate_variants
 from draftsmith.decoding.cost import drafting_cost, relative, verify_cost_curve
 from draftsmith.decoding.evaluate import render_prompts
-from draftsmith.models.registry import METHODS
+from draftsmith.models.registry import METHODS as REGISTRY
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.config import shipped
 from draftsmith.train.entries import TRAIN
+from draftsmith.train.guard import cli
 
 # ---- the methods ---------------------------------------------------------------------------------------
 
@@ -102,16 +103,8 @@ METHODS = [
     Method("suffix", "suffix decoding", BASELINES["suffix"]),
     Method("lookahead", "lookahead", BASELINES["lookahead"]),
     Method("draft", "draft model (untrained, 2 layers)", BASELINES["draft"]),
-    Method("medusa1", "Medusa-1", METHODS["medusa"].variants, "train/medusa.py", "recipes/medusa/medusa1-tiny-code.yaml"),
-    Method("medusa2", "Medusa-2", METHODS["medusa"].variants, "train/medusa.py", "recipes/medusa/medusa2-tiny-code.yaml"),
-    Method("eagle1", "EAGLE-1", METHODS["eagle"].variants, "train/eagle.py", "recipes/eagle/tiny-code.yaml"),
-    Method("eagle3", "EAGLE-3", METHODS["eagle"].variants, "train/eagle3.py", "recipes/eagle3/tiny-code.yaml"),
-    Method("p_eagle", "P-EAGLE", METHODS["p_eagle"].variants, "train/p_eagle.py", "recipes/p_eagle/tiny-code.yaml"),
-    Method("dflash", "DFlash", METHODS["dflash"].variants, "train/dflash.py", "recipes/dflash/tiny-code.yaml"),
-    Method("layerskip", "LayerSkip", METHODS["layerskip"].variants, "train/layerskip.py",
-           "recipes/layerskip/tiny-code.yaml", "eval/tau_exit{exit_layer}"),
-    Method("distill", "distilled draft model", METHODS["distill"].variants, "train/distill.py",
-           "recipes/distill/tiny-code.yaml"),
+    *(Method(r.key, r.name, plugin.variants, f"train/{r.entry}.py", f"recipes/{r.recipe}", r.curve)
+      for plugin in REGISTRY.values() for r in plugin.recipes),
 ]
 BY_KEY = {m.key: m for m in METHODS}
 TARGET_RECIPES = {"smollm2-135m-instruct": "smollm2-135m", "gemma3-270m": "gemma3-270m"}  # named target -> its recipes' name (recipes/<method>/*NAME.yaml)
@@ -524,4 +517,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

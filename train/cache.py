@@ -21,6 +21,7 @@ from draftsmith.models.eagle_config import aux_layers
 from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
+from draftsmith.train.guard import cli
 from draftsmith.train.p_eagle import Recipe  # EAGLE's + a p_eagle section: reads EAGLE and P-EAGLE recipes
 
 
@@ -54,4 +55,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -205,12 +205,11 @@ class Checkpoints:
             torch.save(self.scheduler.state_dict(), d / "scheduler.pt")
         tensors, meta = _rng_state()
         save_file(tensors, d / "rng.safetensors")
-        extra = model.extra_state() if hasattr(model, "extra_state") else None
+        extra = model.extra_state()
         (d / "state.json").write_text(json.dumps({**self.state.__dict__, "backend": self.backend, "rng": meta,
                                                   "metrics": metrics, "method": extra}))
         (d / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained(d / "model")
+        model.save_pretrained(d / "model")
 
     def _checkpoint_bytes(self) -> int:
         """Bytes the next checkpoint needs: the last one's size, else the trainable weights, AdamW's two fp32

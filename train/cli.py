@@ -3,15 +3,18 @@
     draftsmith train METHOD [RECIPE] [key=value ...]    # in this process; RECIPE: a shipped name or a YAML file
     draftsmith train medusa medusa2-tiny-code loop.max_steps=10 loop.output_dir=runs/m2
     draftsmith evaluate --drafter RUN/best [...]        # tau, acceptance by position, speedup
-    draftsmith export RUN --format FORMAT --out DIR     # a serving engine's format
+    draftsmith export RUN --format FORMAT --out DIR     # a serving engine's format (gguf: llama.cpp)
+    draftsmith llama-cpp [--build]                      # where llama.cpp is, or build it once into the cache
     draftsmith bench [...]                              # the leaderboard
     draftsmith cache --config RECIPE --out DIR          # EAGLE's offline hidden-state cache
     draftsmith regenerate --target DIR --out FILE       # the target's own answers as training data
+    draftsmith self-distill --target NAME [--finalize]  # self-distilled chat data for a named real target
     draftsmith gpu-check [--smoke]                      # training throughput of every recipe on one GPU
     draftsmith COMMAND --help                           # a command's options
 
-METHOD is one of train/entries.py's TRAIN; with no RECIPE it trains on the method's default recipe (the embedded reference
-target). On many GPUs, launch the same entry script with accelerate: `accelerate launch train/METHOD.py`.
+METHOD is one of train/entries.py's TRAIN (the registry's training entries and `target`); with no RECIPE it trains
+on the method's default recipe (the embedded reference target). On many GPUs, launch the same entry script with
+accelerate: `accelerate launch train/METHOD.py`.
 """
 
 from __future__ import annotations
@@ -20,28 +23,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from draftsmith.models import llama_cpp
 from draftsmith.recipes import RECIPES
-from draftsmith.train import (
-    cache,
-    dflash,
-    distill,
-    eagle,
-    eagle3,
-    evaluate,
-    export,
-    layerskip,
-    medusa,
-    p_eagle,
-    regenerate,
-    target,
-)
+from draftsmith.train import bench, cache, evaluate, export, gpu_check, regenerate, self_distill
+from draftsmith.train.entries import TRAIN
 from draftsmith.train.guard import cli
 
-# method -> its entry script (main(argv), Recipe); its shipped recipes are recipes/METHOD/*.yaml
-TRAIN = {"medusa": medusa, "eagle": eagle, "eagle3": eagle3, "p_eagle": p_eagle, "dflash": dflash,
-         "distill": distill, "layerskip": layerskip, "target": target}
-COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.main, "cache": cache.main,
-                                 "regenerate": regenerate.main}
+COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.main, "bench": bench.main,
+                                 "cache": cache.main, "regenerate": regenerate.main, "self-distill": self_distill.main,
+                                 "gpu-check": gpu_check.main, "llama-cpp": llama_cpp.main}
 
 
 def recipe_path(method: str, recipe: str) -> Path:

@@ -12,19 +12,18 @@ checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
-from draftsmith.data.reference import load_prompts
-from draftsmith.decoding.evaluate import make_checkpoint_evaluator
+from draftsmith.data.dataset import DataConfig
+from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.dflash import DFlash, DFlashConfig
-from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.eagle import EvalConfig
+from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
+from draftsmith.train.runner import Spec, decoder, pad_token, run
 
 
 @dataclasses.dataclass
@@ -48,27 +47,24 @@ def heldout_metrics(method: DFlash, rows: list[dict], batch_size: int = 8) -> di
     return {**{f"heldout_{k}": v for k, v in means.items()}, "expected_tau": 1 + float(cond.cumprod(0).sum())}
 
 
-def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, RECIPES / "dflash/tiny-code.yaml", argv, __doc__)
+def metric_names(cfg: Recipe) -> list[str]:
+    """The metrics the checkpoint evaluation logs under this recipe (loop.best_metric must be one)."""
+    K = cfg.dflash.block_size - 1
+    names = [f"heldout_{m}_{i}" for i in range(K) for m in ("loss", "acc", "cond_acc")] + ["expected_tau"]
+    return names + (decode_metric_names((0.0,), K) if cfg.eval.num_prompts else []) + ["eval_seconds"]
+
+
+def check_eval(cfg: Recipe) -> list[str]:
+    """`metric_names`, once eval is checked to draft what DFlash drafts."""
     if cfg.eval.mode != "chain" or cfg.eval.gamma != cfg.dflash.block_size - 1:
         raise C.ConfigError("eval: DFlash drafts a chain of block_size - 1 tokens; set eval.mode=chain and "
                             f"eval.gamma={cfg.dflash.block_size - 1}")
+    return metric_names(cfg)
 
-    torch.manual_seed(cfg.loop.seed)
-    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    mask = cfg.dflash.mask_token_id
-    if mask < 0:
-        mask = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    train = build_dataset(cfg.data, target.tokenizer)
-    heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples)
-    method = DFlash(target, cfg.dflash, mask)
-    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    print(f"DFlash: {n_train / 1e6:.2f}M trainable, {cfg.dflash.num_layers} layer(s) on target layers {method.layers}, "
-          f"block {cfg.dflash.block_size}, mask token {mask}; train rows {len(train)}; held-out examples {len(heldout)}")
 
-    decode = make_checkpoint_evaluator(target.model, target.tokenizer, load_prompts(Path(cfg.eval.prompts)),
-                                       cfg.eval.max_new_tokens, num_prompts=cfg.eval.num_prompts,
-                                       proposer_kwargs={"gamma": cfg.eval.gamma}) if cfg.eval.num_prompts else None
+def evaluator(cfg: Recipe, target, method: DFlash, heldout: list[dict]):
+    """Held-out per-slot acceptance (`heldout_metrics`) and tau by real decoding, at every checkpoint."""
+    decode = decoder(cfg, target.model, target.tokenizer, proposer_kwargs={"gamma": cfg.eval.gamma})
 
     def evaluate(m: DFlash, step: int) -> dict:
         metrics = heldout_metrics(m, heldout)
@@ -77,11 +73,18 @@ def main(argv: list[str] | None = None) -> Loop:
             print(f"step {step}: tau={metrics['tau']:.3f} (expected from cond_acc {metrics['expected_tau']:.3f}; "
                   f"greedy, {cfg.eval.num_prompts} prompts x {cfg.eval.max_new_tokens} tokens)", flush=True)
         return metrics
+    return evaluate
 
-    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
-    loop.run()
-    return loop
+
+SPEC = Spec(Recipe, RECIPES / "dflash/tiny-code.yaml", __doc__,
+            build=lambda cfg, target, train: DFlash(target, cfg.dflash, pad_token(target.tokenizer,
+                                                                                    cfg.dflash.mask_token_id)),
+            evaluator=evaluator, metric_names=lambda cfg, target: check_eval(cfg))
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

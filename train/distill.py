@@ -5,7 +5,7 @@
 Loads the target frozen, builds the draft (`distill.init`: the target's first layers copied, a
 narrower config, or an existing checkpoint; its tokenizer is checked against the target's before
 anything trains), builds the offline sequences (the fixed dataset, the target's regenerated
-answers from scripts/regenerate.py, or both) with the target's tokenizer and chat template
+answers from `draftsmith regenerate`, or both) with the target's tokenizer and chat template
 (assistant tokens only in the loss), and hands the method (models/distill.py) to the shared loop.
 At every checkpoint tau is measured by real speculative decoding of held-out prompts with the
 decoder's draft-model proposer; the best checkpoint by `loop.best_metric` (tau) is kept in `best/`,
@@ -18,17 +18,15 @@ import dataclasses
 from pathlib import Path
 
 import datasets
-import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.reference import load_prompts
-from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
+from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.distill import Distill, DistillConfig, build_draft
-from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
+from draftsmith.train.runner import Spec, decoder, run
 
 
 @dataclasses.dataclass
@@ -56,34 +54,28 @@ def build_sequences(cfg: Recipe, tokenizer) -> datasets.Dataset:
     regenerated = cfg.distill.regenerated
     if cfg.distill.sequences != "fixed" and not Path(regenerated).is_file():
         raise C.ConfigError(f"distill.regenerated: {regenerated} not found; write it with "
-                            "scripts/regenerate.py --target <target> --out <file>.jsonl")
+                            "draftsmith regenerate --target <target> --out <file>.jsonl")
     data = {"fixed": cfg.data, "regenerated": dataclasses.replace(cfg.data, path=regenerated),
             "mixed": dataclasses.replace(cfg.data, extra=[*cfg.data.extra, regenerated])}[cfg.distill.sequences]
     return build_dataset(data, tokenizer)
 
 
-def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, RECIPES / "distill/tiny-code.yaml", argv, __doc__)
+def metric_names(cfg: Recipe) -> list[str]:
+    """The metrics the checkpoint evaluation logs under this recipe: decoding's alone (none with eval.num_prompts=0)."""
     names = decode_metric_names(tuple(cfg.eval.temperatures), cfg.distill.gamma) + ["eval_seconds"]
-    C.check_best_metric(cfg.loop, names if cfg.eval.num_prompts else [], "eval.num_prompts=0 turns decoding off, so tau is not measured")
+    return names if cfg.eval.num_prompts else []
 
-    torch.manual_seed(cfg.loop.seed)
-    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    draft = build_draft(target, cfg.distill)  # a tokenizer mismatch fails here, before any data is built
-    train = build_sequences(cfg, target.tokenizer)
-    method = Distill(target, draft, cfg.distill)
-    n_draft = sum(p.numel() for p in draft.parameters())
-    n_target = sum(p.numel() for p in target.model.parameters())
-    print(f"distill ({cfg.distill.init}, {cfg.distill.loss}, {cfg.distill.sequences} sequences, "
-          f"lambda {cfg.distill.lmbda}): draft {draft.config.num_hidden_layers} layers, {n_draft / 1e6:.2f}M params "
-          f"(target {n_target / 1e6:.2f}M); train rows {len(train)}")
 
-    evaluate = make_checkpoint_evaluator(target.model, target.tokenizer, load_prompts(Path(cfg.eval.prompts)),
-                                         cfg.eval.max_new_tokens, tuple(cfg.eval.temperatures),
-                                         cfg.eval.num_prompts) if cfg.eval.num_prompts else None
-    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
-    loop.run()
-    return loop
+SPEC = Spec(Recipe, RECIPES / "distill/tiny-code.yaml", __doc__,
+            build=lambda cfg, target, train: Distill(target, build_draft(target, cfg.distill), cfg.distill),
+            evaluator=lambda cfg, target, method, heldout: decoder(cfg, target.model, target.tokenizer,
+                                                                   temperatures=tuple(cfg.eval.temperatures)),
+            metric_names=lambda cfg, target: metric_names(cfg),
+            data=lambda cfg, target: build_sequences(cfg, target.tokenizer), heldout=False)
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     accelerate launch train/eagle3.py --config recipes/eagle3/tiny-code.yaml [key=value ...]
 
 The target stays frozen. Its features come from a forward in the loop (online) or from a cache
-written by scripts/cache_hidden_states.py (`offline.path`, offline); the EAGLE-3 draft vocabulary
+written by `draftsmith cache` (`offline.path`, offline); the EAGLE-3 draft vocabulary
 is built once from the loss-masked training tokens and kept in the checkpoint. At every checkpoint
 the held-out rows give per-step loss, top-1 accuracy and the conditional acceptance decoding sees
 (`cond_acc_k`, whose running product predicts tau), and tau is measured by real speculative
@@ -15,27 +15,27 @@ the best checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset, cache_key, heldout_rows
+from draftsmith.data.dataset import DataConfig, build_dataset, cache_key
 from draftsmith.data.hidden_cache import HiddenCache, collate_features
-from draftsmith.data.reference import load_prompts
-from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
+from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.eagle import Eagle, draft_vocab
 from draftsmith.models.eagle_config import EagleConfig, aux_layers
-from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
+from draftsmith.train.runner import Spec, decoder, run
 
 
 @dataclasses.dataclass
 class OfflineConfig:
-    path: str = ""  # a hidden-state cache from scripts/cache_hidden_states.py; empty: run the target online
+    path: str = ""  # a hidden-state cache from `draftsmith cache`; empty: run the target online
 
 
 @dataclasses.dataclass
@@ -66,13 +66,35 @@ class Recipe(C.DrafterRecipe):
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
-def heldout_metrics(method: Eagle, rows: list[dict], steps: int, batch_size: int = 8) -> dict[str, float]:
-    """Per-step held-out loss, accuracy and conditional acceptance (averaged over batches) for `steps` unrolled
-    steps (the chain length, also beyond the steps trained), `expected_tau` = 1 + sum_k prod_{i<=k} cond_acc_i,
-    the greedy chain's tau they predict, and `expected_tau_t1` the same from accept_k, the chain's at temperature 1."""
+@torch.no_grad()
+def heldout_batches(method: Eagle, rows: list[dict], batch_size: int = 8) -> list[dict]:
+    """Held-out rows collated in batches with what the frozen target gives them, computed once: its features
+    (`hidden`, `aux`) and for EAGLE-3 its teacher's whole-vocabulary log-normaliser and argmax (`log_z`, `greedy`),
+    the keys of an offline cache (data/hidden_cache.py). Each checkpoint's held-out pass then runs the drafter alone."""
     device = method.drafter.fc.weight.device
-    per_batch = [method.ttt({k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}, steps)[1]
-                 for i in range(0, len(rows), batch_size)]
+    out = []
+    for i in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()}
+        f, g = method.features(batch)  # [b, s, H], [b, s, n*H]
+        batch["hidden"] = f
+        if method.cfg.version == 3:
+            batch["aux"] = g
+            log_z, greedy = [], []
+            for x in f.split(method.cfg.logit_chunk or f.shape[1], 1):  # [b, c, V] logits at a time, as the teacher
+                z = method.target.logits(x.to(method.target.lm_head.weight.dtype)).float()
+                log_z.append(z.logsumexp(-1))
+                greedy.append(z.argmax(-1))
+            batch["log_z"], batch["greedy"] = torch.cat(log_z, 1), torch.cat(greedy, 1)  # [b, s] each
+        out.append(batch)
+    return out
+
+
+def heldout_metrics(method: Eagle, batches: list[dict], steps: int) -> dict[str, float]:
+    """Per-step held-out loss, accuracy and conditional acceptance (averaged over `heldout_batches`) for `steps`
+    unrolled steps (the chain length, also beyond the steps trained), `expected_tau` = 1 + sum_k prod_{i<=k}
+    cond_acc_i, the greedy chain's tau they predict, and `expected_tau_t1` the same from accept_k, the chain's at
+    temperature 1."""
+    per_batch = [method.ttt(batch, steps)[1] for batch in batches]
     means = {k: sum(m[k] for m in per_batch) / len(per_batch) for k in per_batch[0]}
 
     def tau(name: str) -> float:
@@ -88,7 +110,7 @@ def offline_rows(cfg: Recipe, target) -> HiddenCache:
     written = cache.manifest["meta"].get("data_key")
     if written != cache_key(cfg.data, target.tokenizer):
         raise ValueError(f"offline.path={cfg.offline.path} was written from other data than this recipe's `data` "
-                         "section; rewrite it with scripts/cache_hidden_states.py and this recipe")
+                         "section; rewrite it with draftsmith cache and this recipe")
     return cache
 
 
@@ -102,43 +124,47 @@ def metric_names(cfg: Recipe) -> list[str]:
     return names + ["eval_seconds"]
 
 
-def main(argv: list[str] | None = None, default_recipe: Path = RECIPES / "eagle/tiny-code.yaml",
-         doc: str = __doc__, recipe: type = Recipe, build=None) -> Loop:
-    """The EAGLE entry point; `recipe` (a Recipe with more sections) and `build(cfg, target, draft_ids) -> method`
-    let a variant of the method (train/p_eagle.py) reuse it."""
-    cfg = C.from_command_line(recipe, default_recipe, argv, doc)
-    C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
+def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
+    """EAGLE-3's draft vocabulary from the training rows' loss-masked tokens (None: EAGLE-1's whole vocabulary)."""
+    return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) if cfg.eagle.version == 3 else None
 
-    torch.manual_seed(cfg.loop.seed)
-    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    train = offline_rows(cfg, target) if cfg.offline.path else build_dataset(cfg.data, target.tokenizer)
-    heldout = heldout_rows(cfg.data, target.tokenizer, limit=cfg.eval.heldout_examples, path=cfg.eval.heldout_path)
-    draft_ids = draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) \
-        if cfg.eagle.version == 3 else None
-    method = build(cfg, target, draft_ids) if build else Eagle(target, cfg.eagle, draft_ids)
-    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    print(f"{type(method).__name__} (EAGLE-{cfg.eagle.version}): {n_train / 1e6:.2f}M trainable, layers {method.layers or 'final'}, "
-          f"draft vocab {method.drafter.d2t.numel()}, {cfg.eagle.ttt_steps} TTT steps; "
-          f"train rows {len(train)} ({'offline: ' + cfg.offline.path if cfg.offline.path else 'online'}); "
-          f"held-out examples {len(heldout)}")
 
-    decode = make_checkpoint_evaluator(target.model, target.tokenizer, load_prompts(Path(cfg.eval.prompts)),
-                                       cfg.eval.max_new_tokens, num_prompts=cfg.eval.num_prompts,
-                                       proposer_kwargs=cfg.eval.proposer_kwargs()) if cfg.eval.num_prompts else None
+def checkpoint_evaluator(cfg: Recipe, target, heldout: list[dict]) -> Callable[[Eagle, int], dict]:
+    """The loop's `evaluate(method, step)`: the held-out metrics (the target's part of them computed at the first
+    call and kept, `heldout_batches`) and tau by real decoding of eval.num_prompts prompts."""
+    decode = decoder(cfg, target.model, target.tokenizer, proposer_kwargs=cfg.eval.proposer_kwargs())
+    batches: list[dict] = []
 
     def evaluate(m: Eagle, step: int) -> dict:
-        metrics = heldout_metrics(m, heldout, cfg.eval.gamma)
+        if not batches:
+            batches.extend(heldout_batches(m, heldout))
+        metrics = heldout_metrics(m, batches, cfg.eval.gamma)
         if decode is not None:
             metrics.update(decode(m, step))
             print(f"step {step}: tau={metrics['tau']:.3f} (expected from cond_acc {metrics['expected_tau']:.3f}; "
                   f"{cfg.eval.mode}, greedy, {cfg.eval.num_prompts} prompts x {cfg.eval.max_new_tokens} tokens)",
                   flush=True)
         return metrics
+    return evaluate
 
-    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg),
-                collate_fn=collate_features if cfg.offline.path else collate)
-    loop.run()
-    return loop
+
+def spec(default_recipe: Path, doc: str, recipe: type = Recipe, build=None) -> Spec:
+    """The EAGLE entry point's Spec; `recipe` (a Recipe with more sections) and `build(cfg, target, train rows) ->
+    method` let a variant of the method (train/p_eagle.py) reuse it."""
+    return Spec(recipe, default_recipe, doc,
+                build=build or (lambda cfg, target, train: Eagle(target, cfg.eagle, draft_ids(cfg, target, train))),
+                evaluator=lambda cfg, target, method, heldout: checkpoint_evaluator(cfg, target, heldout),
+                metric_names=lambda cfg, target: metric_names(cfg),
+                data=lambda cfg, target: offline_rows(cfg, target) if cfg.offline.path
+                else build_dataset(cfg.data, target.tokenizer),
+                collate=lambda cfg: collate_features if cfg.offline.path else collate)
+
+
+SPEC = spec(RECIPES / "eagle/tiny-code.yaml", __doc__)
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,18 @@ see models/eagle.py for the method and train/eagle.py for what is evaluated at e
 from __future__ import annotations
 
 from draftsmith.recipes import RECIPES
+from draftsmith.train import eagle
 from draftsmith.train.eagle import Recipe
-from draftsmith.train.eagle import main as eagle_main
 from draftsmith.train.guard import cli
+from draftsmith.train.loop import Loop
+from draftsmith.train.runner import run
 
 __all__ = ["Recipe", "main"]  # the EAGLE recipe schema, shared with train/eagle.py
+SPEC = eagle.spec(RECIPES / "eagle3/tiny-code.yaml", __doc__)
 
-def main(argv: list[str] | None = None):
-    return eagle_main(argv, RECIPES / "eagle3/tiny-code.yaml", __doc__)
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The training entry scripts by method, as `draftsmith train METHOD` finds them; METHOD's shipped recipes are
-recipes/METHOD/*.yaml, and `accelerate launch train/METHOD.py` runs the same script on many processes."""
+"""The training entry scripts by name, as `draftsmith train ENTRY` finds them: the registry's (models/registry.py)
+and `target`. ENTRY's shipped recipes are recipes/ENTRY/*.yaml, and `accelerate launch train/ENTRY.py` runs the same
+script on many processes."""
 
+from draftsmith.models.registry import ENTRIES
 from draftsmith.train import dflash, distill, eagle, eagle3, layerskip, medusa, p_eagle, target
 
-TRAIN = {"medusa": medusa, "eagle": eagle, "eagle3": eagle3, "p_eagle": p_eagle, "dflash": dflash,
-         "distill": distill, "layerskip": layerskip, "target": target}
+_SCRIPTS = {m.__name__.rpartition(".")[2]: m for m in (dflash, distill, eagle, eagle3, layerskip, medusa, p_eagle, target)}
+TRAIN = {name: _SCRIPTS[name] for name in ENTRIES}  # a KeyError here: a registry entry whose script is not imported

@@ -1,6 +1,6 @@
 """Export a trained drafter to a serving format.
 
-    draftsmith export RUN --format medusa|tgi|vllm|hf|sglang|speculators --out DIR [--overwrite]
+    draftsmith export RUN --format medusa|tgi|vllm|hf|sglang|speculators|gguf --out DIR [--overwrite]
 
 RUN is a run directory (its best/ checkpoint is used, else the latest checkpoint's model/), or a
 drafter directory itself. The export is written to a temporary directory and renamed into place,
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftsmith.data.core import find_drafter
 from draftsmith.models.registry import drafter_method, export, get_format
+from draftsmith.train.guard import cli
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -36,4 +37,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

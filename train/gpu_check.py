@@ -2,12 +2,11 @@
 
     draftsmith gpu-check                 # one GPU (sized for an H200, ~10 min): ~1B target, bf16, 200 steps each
     draftsmith gpu-check --smoke         # CPU, tiny target, 6 steps each (bf16 too): the whole check end to end
-    bash scripts/gpu_check.sh [--smoke]  # the same from a checkout
 
 Builds a Llama target from a config (random weights: throughput does not depend on them) with the reference
-target's tokenizer, saves it with save_pretrained, then runs each recipe (Medusa-1, Medusa-2, LayerSkip, EAGLE-1,
-EAGLE-3, distillation) in-process through its entry script's main(). Per recipe it records training tokens/s
-(evaluations excluded), peak GPU memory, and the step time split between the frozen target's forward and the rest
+target's tokenizer, saves it with save_pretrained, then runs each recipe of models/registry.py (Medusa-1 and -2,
+EAGLE-1 and -3, P-EAGLE, DFlash, LayerSkip, distillation) in-process through its entry script's main(). Per recipe it
+records training tokens/s (evaluations excluded), peak GPU memory, and the step time split between the frozen target's forward and the rest
 (drafter forward, backward, optimizer), timed by hooks on the target's decoder with a device synchronisation.
 Then it decodes with the trained drafter (`draftsmith evaluate`: tau at T=0 and T=1, and whether greedy speculative
 output equals the target's own greedy output) with the target in float32 and in bfloat16. The report is rewritten
@@ -29,27 +28,23 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.models.registry import RECIPES
 from draftsmith.models.target import REFERENCE_TARGET, Target
-from draftsmith.recipes import RECIPES
+from draftsmith.recipes import RECIPES as SHIPPED
 from draftsmith.train import evaluate
 from draftsmith.train.entries import TRAIN
+from draftsmith.train.guard import cli
 
 # ~1.03B parameters (TinyLlama's shape with the reference vocabulary of 8192), or a tiny one for --smoke
 GPU_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                  num_key_value_heads=4)
 SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)
-# name -> (entry script, shipped recipe, overrides beyond the common ones); bf16: trained under bf16 autocast,
-# frozen: the frozen target stored in bf16
-CHECKS = {
-    "medusa1": ("medusa", "medusa/medusa1-tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
-    "medusa2": ("medusa", "medusa/medusa2-tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
-    "layerskip": ("layerskip", "layerskip/tiny-code.yaml", ("bf16",),
-                  ["eval.heldout_examples=8", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]),
-    "eagle1": ("eagle", "eagle/tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
-    "eagle3": ("eagle3", "eagle3/tiny-code.yaml", ("bf16", "frozen"), ["eval.heldout_examples=8"]),
-    "distill": ("distill", "distill/tiny-code.yaml", ("bf16", "frozen"), []),
-}
+# the registry's recipes; bf16: trained under bf16 autocast, frozen: the frozen target stored in bf16 (not where the
+# recipe trains the target itself)
+CHECKS = {r.key: r for r in RECIPES}
+TRAINS_TARGET = {"layerskip"}
+EXTRA = {"layerskip": ["eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]}
 
 
 def sync() -> None:
@@ -115,15 +110,15 @@ def build_target(out: Path, smoke: bool) -> dict:
 
 def run(name: str, work: Path, common: list[str], decode_tokens: int) -> dict:
     """Train one recipe in-process under the timer, then decode with it; its throughput and decoding record."""
-    method, recipe, precision, extra = CHECKS[name]
-    precise = [o for key, o in (("bf16", "loop.mixed_precision=bf16"), ("frozen", "target.dtype=bfloat16"))
-               if key in precision]
+    recipe = CHECKS[name]
+    precise = ["loop.mixed_precision=bf16", *([] if name in TRAINS_TARGET else ["target.dtype=bfloat16"])]
+    extra = ["eval.heldout_examples=8", *EXTRA.get(name, [])]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     with TargetTimer() as timer:
-        loop = TRAIN[method].main(["--config", str(RECIPES / recipe), f"loop.output_dir={work / name}",
+        loop = TRAIN[recipe.entry].main(["--config", str(SHIPPED / recipe.recipe), f"loop.output_dir={work / name}",
                                    *common, *precise, *extra])
     wall = time.perf_counter() - t
     rows = [json.loads(r) for r in (work / name / "metrics.jsonl").read_text().splitlines()]
@@ -206,4 +201,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

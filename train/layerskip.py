@@ -18,15 +18,16 @@ import torch
 from transformers import GenerationConfig
 
 from draftsmith.data.core import BEST, best_record, collate, write_drafter_meta
-from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
+from draftsmith.data.dataset import DataConfig
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.layerskip import LayerSkip, LayerSkipConfig, early_exit
-from draftsmith.models.target import load_target, target_fields
+from draftsmith.models.target import target_fields
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
+from draftsmith.train.runner import Spec, run
 
 
 @dataclasses.dataclass
@@ -88,36 +89,40 @@ def metric_names(cfg: Recipe, L: int) -> list[str]:
     return names + ["eval_seconds"]
 
 
-def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, RECIPES / "layerskip/tiny-code.yaml", argv, __doc__)
-
-    torch.manual_seed(cfg.loop.seed)
-    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code, frozen=cfg.layerskip.lora)
+def check_eval(cfg: Recipe, target) -> list[str] | None:
+    """`metric_names` once the target's depth is known, the exit layers checked against it."""
+    if target is None:
+        return None
     L = target.config.num_hidden_layers
     bad = [E for E in cfg.eval.exit_layers if not 1 <= E < L]
     if bad:
         raise C.ConfigError(f"eval.exit_layers: {bad} out of range for a {L}-layer target; use 1..{L - 1}")
-    C.check_best_metric(cfg.loop, metric_names(cfg, L), "")
-    train = build_dataset(cfg.data, target.tokenizer)
-    heldout = heldout_rows(cfg.data, target.tokenizer, cfg.eval.heldout_examples, cfg.eval.heldout_path)
+    return metric_names(cfg, L)
+
+
+def evaluator(cfg: Recipe, target, method: LayerSkip, heldout: list[dict]):
     prompts = render_prompts(target.tokenizer, load_prompts(Path(cfg.eval.prompts), cfg.eval.num_prompts or None)
                              )[: cfg.eval.num_prompts]
-
-    method = LayerSkip(target.model, target.tokenizer, cfg.layerskip)
-    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    print(f"layerskip: {L}-layer target, {n_train / 1e6:.2f}M trainable ({'LoRA' if cfg.layerskip.lora else 'full'}); "
-          f"train rows {len(train)}, held-out examples {len(heldout)}, prompts {len(prompts)}")
-
     baselines: dict = {}  # plain decoding timed once: the target's size, not its weights, sets its speed
-    loop = Loop(cfg.loop, method, train, run_config=C.to_dict(cfg),
-                evaluate=lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines))
-    loop.run()
+    return lambda m, step: evaluate_checkpoint(m, heldout, prompts, cfg.eval, baselines)
+
+
+def finish(cfg: Recipe, target, loop: Loop) -> None:
+    """The best exit layer recorded with the best checkpoint."""
     best, record = loop.run_dir / BEST, best_record(loop.run_dir)
-    if loop.accelerator.is_main_process and record and prompts:
-        record_exit_layer(best, {E: record[f"tau_exit{E}"]
-                                 for E in cfg.eval.exit_layers}, target_fields({"target": target.path,
-                                                                                "target_as_given": target.given}))
-    return loop
+    if loop.accelerator.is_main_process and record and cfg.eval.num_prompts:
+        record_exit_layer(best, {E: record[f"tau_exit{E}"] for E in cfg.eval.exit_layers},
+                          target_fields({"target": target.path, "target_as_given": target.given}))
+
+
+SPEC = Spec(Recipe, RECIPES / "layerskip/tiny-code.yaml", __doc__,
+            build=lambda cfg, target, train: LayerSkip(target.model, target.tokenizer, cfg.layerskip),
+            evaluator=evaluator, metric_names=check_eval, trains_target=lambda cfg: not cfg.layerskip.lora,
+            finish=finish)
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 def record_exit_layer(model_dir: Path, tau_by_exit: dict[int, float], origin: dict | None = None) -> int:

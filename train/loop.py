@@ -1,12 +1,8 @@
 """The one training loop every method uses.
 
-A method is an `nn.Module` whose `forward(batch)` returns `(loss, metrics)`; its trainable
-parameters are those with `requires_grad`. It may define `param_groups(lr)` (per-group learning
-rates), `save_pretrained(dir)` (the artefact evaluation and export read), `extra_state()` /
-`load_extra_state(state)` (JSON state such as a curriculum, checkpointed with it), `progress` (a
-callable the loop replaces with its `Loop.progress`, for schedules inside the method), `measuring` (which the
-loop sets True on the steps whose metrics it logs and False on the others, where costly metrics may be skipped) and
-`sharded_refusal` (why it cannot run on ZeRO-3's or FSDP2's sharded parameters, and the fix; empty if it can).
+A method meets the contract of models/method.py (`Method`, defaults in `MethodBase`): `forward(batch)` returns
+`(loss, metrics)`, its trainable parameters are those with `requires_grad`, and the loop reads its `param_groups`,
+`extra_state`, `save_pretrained` and `sharded_refusal` and sets its `progress` and `measuring`.
 The loop owns everything else: accelerate, gradient accumulation, mixed precision, clipping,
 schedule, trackers, `metrics.jsonl`, checkpoints, best-checkpoint keeping and exact resume.
 
@@ -53,6 +49,7 @@ from draftsmith.data.core import (
     collate,
 )
 from draftsmith.decoding.evaluate import Shard, sharded
+from draftsmith.models.method import missing
 from draftsmith.train import guard
 from draftsmith.train.checkpoint import Checkpoints, LoopState, newest_verified
 from draftsmith.train.config import ConfigError, LoopConfig
@@ -111,7 +108,7 @@ def keep_freed_memory() -> None:
     """Under glibc, keep freed blocks of up to 32 MiB in the heap rather than unmapped (M_MMAP_THRESHOLD) and the
     heap untrimmed below 1 GiB (M_TRIM_THRESHOLD). A CPU training step makes and frees many [positions, vocabulary]
     buffers of a few MiB; returned to the kernel, each is page-faulted in afresh at its next use (EAGLE-3's step
-    567 -> 510 ms with glibc's tunables set so, benchmarks/train_step.json). Elsewhere (no glibc) a no-op."""
+    567 -> 510 ms with glibc's tunables set so). Elsewhere (no glibc) a no-op."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -155,19 +152,20 @@ class Loop(Checkpoints):
         """Prepare the method and optimizer, resume if a checkpoint verifies, then record the run's config."""
         cfg = self.cfg
         self._check_launch(method)
-        if self.sharded and getattr(method, "sharded_refusal", ""):
+        if missing(method):
+            raise TypeError(f"{type(method).__name__} does not meet the method contract (models/method.py): it lacks "
+                            f"{', '.join(missing(method))}; derive it from MethodBase")
+        if self.sharded and method.sharded_refusal:
             raise ValueError(method.sharded_refusal)
         set_seed(cfg.seed)
         if self.accelerator.device.type == "cpu":
             keep_freed_memory()
-        groups = method.param_groups(cfg.lr) if hasattr(method, "param_groups") else \
-            [{"params": [p for p in method.parameters() if p.requires_grad]}]
+        groups = method.param_groups(cfg.lr)
         if not any(g["params"] for g in groups):
             raise ValueError("the method has no trainable parameters")
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.spent_seconds = 0.0  # training time of the slowest rank, which the schedules and loop.max_minutes read
-        if hasattr(method, "progress"):
-            method.progress = lambda: self.progress
+        method.progress = lambda: self.progress
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, self.spent_seconds))
         self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
         self.state = LoopState(world_size=self.accelerator.num_processes)
@@ -253,6 +251,9 @@ class Loop(Checkpoints):
         """Fraction of the run done (see `run_progress`); method schedules such as Medusa-2's head warm-up read it."""
         return run_progress(self.cfg, self.state.step, self.spent_seconds)
 
+    def _permille(self) -> int:
+        return round(1000 * self.progress)
+
     @property
     def unwrapped(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.method)
@@ -309,7 +310,11 @@ class Loop(Checkpoints):
     def run(self) -> LoopState:
         """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;
         the lock on the run directory is released however it ends."""
-        self.bar = tqdm(total=self.cfg.max_steps, initial=self.state.step, dynamic_ncols=True, leave=False,
+        # under loop.max_minutes the bar counts the run's progress in permille of whichever budget binds (`progress`),
+        # so its ETA is the time or step budget's, not max_steps' alone
+        total, done = (1000, self._permille()) if self.cfg.max_minutes else (self.cfg.max_steps, self.state.step)
+        self.bar = tqdm(total=total, initial=done, dynamic_ncols=True, leave=False,
+                        bar_format="{l_bar}{bar}| {elapsed}<{remaining}{postfix}" if self.cfg.max_minutes else None,
                         disable=not self.accelerator.is_main_process)
         self.started, self.eval_seconds = time.perf_counter(), 0.0  # for eval_share
         try:
@@ -328,8 +333,7 @@ class Loop(Checkpoints):
         while self.state.step < cfg.max_steps:
             t_step = time.perf_counter()
             logged = (self.state.step + 1) % cfg.log_every == 0 or self.state.step + 1 == cfg.max_steps
-            if hasattr(self.unwrapped, "measuring"):
-                self.unwrapped.measuring = logged
+            self.unwrapped.measuring = logged
             metrics_step: dict[str, float] = {}
             losses = []
             for _ in range(cfg.grad_accum):
@@ -356,8 +360,9 @@ class Loop(Checkpoints):
             if cfg.max_minutes:
                 self.spent_seconds = self._slowest_rank_seconds()
             self.scheduler.step()
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+            self.bar.update(self._permille() - self.bar.n if cfg.max_minutes else 1)
+            self.bar.set_postfix(step=self.state.step, loss=f"{loss.item():.3f}",
+                                 tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
             window.setdefault("loss", []).append(loss.item())
             for k, v in metrics_step.items():
                 window.setdefault(k, []).append(v)

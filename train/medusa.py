@@ -13,14 +13,12 @@ decoder (greedy, so lossless); recipes keep the best checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset, heldout_rows
-from draftsmith.data.reference import load_prompts
-from draftsmith.decoding.evaluate import decode_metric_names, make_checkpoint_evaluator
+from draftsmith.data.dataset import DataConfig
+from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.medusa import (
     Medusa,
     MedusaConfig,
@@ -30,11 +28,11 @@ from draftsmith.models.medusa import (
     target_passes,
     verifier_model,
 )
-from draftsmith.models.target import load_target
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop
+from draftsmith.train.runner import Spec, decoder, run
 
 
 def _data_default() -> DataConfig:
@@ -64,12 +62,6 @@ class Recipe(C.DrafterRecipe):
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
 
-def build_data(cfg: Recipe, tokenizer):
-    """Training rows (packed per data.pack) and unpacked held-out rows, through the shared data pipeline."""
-    return build_dataset(cfg.data, tokenizer), heldout_rows(cfg.data, tokenizer, cfg.eval.heldout_examples,
-                                                            cfg.eval.heldout_path, cfg.eval.heldout_split)
-
-
 def evaluate_checkpoint(method: Medusa, passes: list[tuple[dict, torch.Tensor, torch.Tensor]], decode,
                         cfg: EvalConfig, step: int) -> dict:
     """Per-head accuracy on held-out rows (`target_passes`); with prompts, the greedy tree from the measured
@@ -96,22 +88,9 @@ def metric_names(cfg: Recipe) -> list[str]:
     return names + ["eval_seconds"]
 
 
-def main(argv: list[str] | None = None) -> Loop:
-    cfg = C.from_command_line(Recipe, RECIPES / "medusa/medusa1-tiny-code.yaml", argv, __doc__)
-    C.check_best_metric(cfg.loop, metric_names(cfg), "" if cfg.eval.num_prompts else "eval.num_prompts=0 turns decoding off, so tau is not measured")
-
-    torch.manual_seed(cfg.loop.seed)
-    target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code)
-    train, heldout = build_data(cfg, target.tokenizer)
-    method = Medusa(target, cfg.medusa)
-    n_train = sum(p.numel() for p in method.parameters() if p.requires_grad)
-    print(f"medusa ({cfg.medusa.backbone} backbone): {cfg.medusa.num_heads} heads, {n_train / 1e6:.2f}M trainable; "
-          f"train rows {len(train)} (max {cfg.data.max_length} tokens); held-out examples {len(heldout)}")
-
-    decode = make_checkpoint_evaluator(verifier_model(method.target), target.tokenizer,
-                                       load_prompts(Path(cfg.eval.prompts)), cfg.eval.max_new_tokens,
-                                       num_prompts=cfg.eval.num_prompts) if cfg.eval.num_prompts else None
-
+def evaluator(cfg: Recipe, target, method: Medusa, heldout: list[dict]):
+    """Per-head accuracy on the held-out rows and tau by real decoding, at every checkpoint."""
+    decode = decoder(cfg, verifier_model(method.target), target.tokenizer)
     frozen = not any(p.requires_grad for p in target.parameters())  # Medusa-1: one target pass serves every checkpoint
     passes: list = []
 
@@ -119,10 +98,16 @@ def main(argv: list[str] | None = None) -> Loop:
         nonlocal passes
         passes = passes if frozen and passes else target_passes(m.target, heldout)
         return evaluate_checkpoint(m, passes, decode, cfg.eval, step)
+    return evaluate
 
-    loop = Loop(cfg.loop, method, train, evaluate=evaluate, run_config=C.to_dict(cfg))
-    loop.run()
-    return loop
+
+SPEC = Spec(Recipe, RECIPES / "medusa/medusa1-tiny-code.yaml", __doc__,
+            build=lambda cfg, target, train: Medusa(target, cfg.medusa), evaluator=evaluator,
+            metric_names=lambda cfg, target: metric_names(cfg))
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":

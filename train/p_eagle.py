@@ -14,6 +14,9 @@ import dataclasses
 from draftsmith.models.p_eagle import PEagle, PEagleConfig
 from draftsmith.recipes import RECIPES
 from draftsmith.train import eagle
+from draftsmith.train.guard import cli
+from draftsmith.train.loop import Loop
+from draftsmith.train.runner import pad_token, run
 
 
 @dataclasses.dataclass
@@ -21,16 +24,17 @@ class Recipe(eagle.Recipe):
     p_eagle: PEagleConfig = dataclasses.field(default_factory=PEagleConfig)
 
 
-def build(cfg: Recipe, target, draft_ids) -> PEagle:
-    ptd = cfg.p_eagle.ptd_token_id
-    if ptd < 0:
-        ptd = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    return PEagle(target, cfg.eagle, draft_ids, ptd)
+def build(cfg: Recipe, target, train) -> PEagle:
+    return PEagle(target, cfg.eagle, eagle.draft_ids(cfg, target, train),
+                  pad_token(target.tokenizer, cfg.p_eagle.ptd_token_id))
 
 
-def main(argv: list[str] | None = None):
-    return eagle.main(argv, RECIPES / "p_eagle/tiny-code.yaml", __doc__, Recipe, build)
+SPEC = eagle.spec(RECIPES / "p_eagle/tiny-code.yaml", __doc__, Recipe, build)
+
+
+def main(argv: list[str] | None = None) -> Loop:
+    return run(SPEC, argv)
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -1,7 +1,7 @@
 """Rewrite every assistant turn of a chat dataset with the target itself (self-distillation).
 
     draftsmith regenerate --target DIR --data PATH --out OUT.jsonl [--temperature T [T ...]]
-        [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S]
+        [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S] [--server URL]
 
 A drafter learns to predict the target, so it should train on the target's own answers: the
 Medusa and EAGLE authors regenerate their training data this way. For every conversation, each
@@ -9,13 +9,20 @@ assistant turn is generated from the conversation so far (earlier turns already 
 rendered with the target's chat template and its generation prompt; a conversation that ends
 with a user turn gets one more, generated assistant turn, so a file of prompts works too.
 
-Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled).
+Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled). With
+`--server URL` an OpenAI-compatible server answers instead (llama-server, vLLM, SGLang serving the same
+weights; data/server.py): B conversations in flight as concurrent requests, each written as soon as all its
+turns are answered, the prompts rendered and tokenized here exactly as in-process. If the server goes away,
+the rows written so far stay and rerunning the same command continues.
 Several temperatures answer every conversation once per temperature, one temperature after the other
 (`--temperature 0 1`: the states both greedy and sampled decoding visit), each row then with id
 `ID-T<t>` and its `temperature`.
 The output is JSONL of `{"id": ..., "messages": [...]}` (plus the input's other fields), written
-and flushed per batch; rerunning with the same --out skips the ids already there, so an
-interrupted run resumes. `id` is the input's `id` field, or the row number.
+and flushed per row; rerunning with the same --out skips the ids already there, so an
+interrupted run resumes. `id` is the input's `id` field, or the row number. Beside it, OUT.settings.json
+records the target (and its provenance), the sampling settings, what answered (in-process or the server, its
+model and the request's fields; each one that wrote rows) and the command; resuming with other sampling
+settings is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +45,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.data.chat import to_messages
 from draftsmith.data.core import DiskFull, check_free, is_disk_full
 from draftsmith.data.dataset import DataConfig, load_raw
+from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli
 
 log = logging.getLogger("draftsmith.regenerate")
+TOKENIZE = threading.Lock()  # a fast tokenizer is not to be called from several threads at once
 
 
 def read_done(out: Path) -> set[str]:
@@ -84,8 +98,13 @@ def generate(model, tokenizer, prompts: list[list[dict[str, str]]], temperature:
 @torch.no_grad()
 def complete(model, tokenizer, texts: list[str], temperature: float, max_new_tokens: int,
              add_special_tokens: bool = False) -> list[str]:
-    """One continuation per text, in one batch (the tokenizer must pad on the left). Rendered chat needs no special
-    tokens added; plain text for a base model takes the tokenizer's own (Gemma's BOS)."""
+    """One continuation per text, in one batch (the tokenizer must pad on the left), or one request per text when
+    `model` is a Server. Rendered chat needs no special tokens added; plain text for a base model takes the
+    tokenizer's own (Gemma's BOS)."""
+    if isinstance(model, Server):
+        with TOKENIZE:
+            ids = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
+        return [model.complete(i, temperature, max_new_tokens) for i in ids]
     enc = tokenizer(texts, add_special_tokens=add_special_tokens, padding=True, return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
         else {"do_sample": False}
@@ -111,6 +130,63 @@ def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature:
     return [{**row, "messages": conv} for row, conv in zip(batch, convs, strict=True)]
 
 
+Answer = Callable[[Any, Any, list[dict[str, Any]], float, int], list[dict[str, Any]]]  # regenerate_batch's shape
+
+
+def answered(answer: Answer, model, tokenizer, rows: list[dict[str, Any]], temperature: float, max_new_tokens: int,
+             batch_size: int) -> Iterator[dict[str, Any]]:
+    """`answer(model, tokenizer, batch, temperature, max_new_tokens)` over all rows: batch_size rows per batch in
+    this process, in order; through a Server, batch_size rows in flight (one request at a time each), yielded as
+    each finishes. On a server's first error no further row starts; the rows in flight are yielded if they finish,
+    then the error is raised."""
+    if not isinstance(model, Server):
+        for b in range(0, len(rows), batch_size):
+            yield from answer(model, tokenizer, rows[b: b + batch_size], temperature, max_new_tokens)
+        return
+    todo, error = iter(rows), None
+    with ThreadPoolExecutor(batch_size) as pool:
+        def start() -> set:
+            row = next(todo, None)
+            return set() if row is None else {pool.submit(answer, model, tokenizer, [row], temperature, max_new_tokens)}
+        running = set().union(*(start() for _ in range(batch_size)))
+        while running:
+            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                if f.exception() is not None:
+                    error = error or f.exception()
+                else:
+                    yield from f.result()
+                if error is None:
+                    running |= start()
+    if error is not None:
+        raise error
+
+
+def settings_file(out: Path) -> Path:
+    return out.with_suffix(".settings.json")
+
+
+def record_settings(out: Path, settings: dict[str, Any], answerer: dict[str, Any]) -> None:
+    """Write `settings` and the list of answerers to OUT.settings.json, adding `answerer` to the ones that wrote the
+    rows already in `out`; rows sampled from another distribution than those already there (another temperature,
+    filter or length; another seed is fine) are refused in one line."""
+    path = settings_file(out)
+    before = json.loads(path.read_text()) if path.is_file() and out.is_file() and out.stat().st_size else {}
+    old, new = ({k: v for k, v in s.items() if k != "seed"} for s in (before.get("sampling", {}), settings["sampling"]))
+    if before and old != new:
+        raise ValueError(f"{out} holds rows sampled with {old}, not {new}; rerun with the same options or write "
+                         "--out elsewhere")
+    answerers = before.get("answered_by", [])
+    path.write_text(json.dumps({**settings, "answered_by": answerers + [answerer] * (answerer not in answerers)},
+                               indent=1) + "\n")
+
+
+def in_process(model) -> dict[str, Any]:
+    """The in-process answerer, for the settings file."""
+    return {"in_process": "transformers generate", "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(model.device)}
+
+
 def output_bytes(rows: list[dict[str, Any]], max_new_tokens: int, bytes_per_token: int = 16) -> int:
     """An upper estimate of the JSONL the rows become: each row as read, plus max_new_tokens per assistant reply."""
     replies = [sum(m["role"] == "assistant" for m in r["messages"][:-1]) + 1 for r in rows]
@@ -130,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--limit", type=int, default=0, help="first K conversations only; 0: all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server", default="", help="URL of an OpenAI-compatible server serving the target "
+                        "(llama-server, vLLM, SGLang) to answer instead of this process; --batch-size requests at once")
     args = parser.parse_args(argv)
     args.target = resolve_target(args.target)
     if min(args.temperature) < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
@@ -139,9 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        args.target, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    if args.server:
+        model = Server(args.server, args.seed)
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            args.target, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -160,23 +241,35 @@ def main(argv: list[str] | None = None) -> None:
     check_free(out.parent, output_bytes([r for _, rows in jobs for r in rows], args.max_new_tokens),
                f"{out} ({total} conversations)",
                "free space or write --out elsewhere; rows already written are kept and skipped when rerun")
+    provenance = Path(args.target) / "provenance.json"
+    settings = {"target": args.target,
+                "target_provenance": json.loads(provenance.read_text()) if provenance.is_file() else None,
+                "data": args.data, "split": args.split, "limit": args.limit,
+                "sampling": {"temperatures": args.temperature, "top_k": 0, "top_p": 1.0,
+                             "max_new_tokens": args.max_new_tokens, "seed": args.seed},
+                "batch_size": args.batch_size, "command": "draftsmith regenerate " + shlex.join(argv or sys.argv[1:])}
+    if total:
+        record_settings(out, settings, model.provenance() if isinstance(model, Server) else in_process(model))
     t0, written = time.perf_counter(), 0
     with open(out, "a") as fh:
         for temperature, rows in jobs:
-            for b in range(0, len(rows), args.batch_size):
-                try:
-                    for row in regenerate_batch(model, tokenizer, rows[b: b + args.batch_size], temperature,
-                                                args.max_new_tokens):
-                        fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            try:
+                for row in answered(regenerate_batch, model, tokenizer, rows, temperature, args.max_new_tokens,
+                                    args.batch_size):
+                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
                     fh.flush()
-                except OSError as e:
-                    if not is_disk_full(e):
-                        raise
-                    raise DiskFull(f"the disk filled up writing {out} after {written} of {total} conversations; "
-                                   "free space and rerun the same command (the complete rows are kept)") from e
-                written += len(rows[b: b + args.batch_size])
-                log.info("regenerate: %d/%d conversations (temperature %g), %.1fs", written, total, temperature,
-                         time.perf_counter() - t0)
+                    written += 1
+                    if written % args.batch_size == 0 or written == total:
+                        log.info("regenerate: %d/%d conversations (temperature %g), %.1fs", written, total,
+                                 temperature, time.perf_counter() - t0)
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                raise DiskFull(f"the disk filled up writing {out} after {written} of {total} conversations; "
+                               "free space and rerun the same command (the complete rows are kept)") from e
+            except ServerError as e:
+                raise ServerError(f"{e}; {written} of {total} conversations were written to {out}: rerun the same "
+                                  "command once the server answers to continue") from None
 
 if __name__ == "__main__":
     cli(main)

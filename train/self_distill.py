@@ -1,15 +1,20 @@
 """Self-distilled data for a real target: build diverse prompts, let the target answer them, commit the result.
 
-    python scripts/self_distill.py --target smollm2-135m-instruct            # resumable; rerun to continue
-    python scripts/self_distill.py --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
+    draftsmith self-distill --target smollm2-135m-instruct            # resumable; rerun to continue
+    draftsmith self-distill --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
+    draftsmith self-distill --target smollm2-135m-instruct --more-prompts 1000  # 1,000 training prompts more
+    draftsmith self-distill --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
-turn. A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
+turn; `--more-prompts M` adds M training prompts to the --num-prompts ones, the held-out split unchanged.
+A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
 openings instead (stdlib function headers with docstrings, prose) and continues them: rows of `text`. The target answers each one through train/regenerate.py's batched generation (held-out prompts
-first), appending to `runs/self_distill/NAME/answers.jsonl`, so an interrupted run resumes where it
-stopped (a fresh checkout resumes from the data already finalized into data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
-settings, counts, the target's provenance, time spent, the command) from the answers written so far.
+first), or through an OpenAI-compatible server serving the same weights (`--server URL`, --batch-size
+requests at once; see `draftsmith regenerate`), appending to `runs/self_distill/NAME/answers.jsonl`, so an
+interrupted run resumes where it stopped (a fresh checkout resumes from the data already finalized into
+data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
+settings, counts, the target's provenance, what answered, time spent, the command) from the answers written so far.
 """
 
 from __future__ import annotations
@@ -27,9 +32,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import read_file
-from draftsmith.data.prompts import build_prompts, build_text_prompts
+from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
+from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
-from draftsmith.train.regenerate import complete, read_done, regenerate_batch
+from draftsmith.train.guard import cli
+from draftsmith.train.regenerate import (
+    answered,
+    complete,
+    in_process,
+    read_done,
+    record_settings,
+    regenerate_batch,
+    settings_file,
+)
 
 log = logging.getLogger("draftsmith.self_distill")
 
@@ -52,13 +67,16 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
             if r["split"] == "heldout":
                 prompt = {"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"][:-1]}
                 fh.write(json.dumps({"id": r["id"], "kind": r["kind"], **prompt}, ensure_ascii=False) + "\n")
-    prompts = read_file(work / "prompts.jsonl", f"delete {work} and run again")
+    prompts = [r for name in ("prompts.jsonl", "more_prompts.jsonl") if (work / name).is_file()
+               for r in read_file(work / name, f"delete {work} and run again")]
     timing = read_file(work / "timing.json", f"delete {work} and run again") if (work / "timing.json").is_file() else {}
+    answerers = settings_file(work / "answers.jsonl")
     settings = {**settings, "answered": counts, "prompts": {
         "train": sum(p["split"] == "train" for p in prompts), "heldout": sum(p["split"] == "heldout" for p in prompts)},
         "regeneration_seconds": round(timing.get("seconds", 0.0)),
         "target_provenance": read_file(target_dir / "provenance.json", "build the target again")
-        if (target_dir / "provenance.json").is_file() else None}
+        if (target_dir / "provenance.json").is_file() else None,
+        "answered_by": json.loads(answerers.read_text())["answered_by"] if answerers.is_file() else None}
     (out / "settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     return settings
 
@@ -70,7 +88,7 @@ def continue_batch(model, tokenizer, batch: list[dict], temperature: float, max_
 
 
 def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
-    """Start a fresh work directory from data already finalized into `out` (a later session resumes there)."""
+    """Start a fresh work directory from data already finalized into `out` (a later run resumes there)."""
     parts = [out / f"{split}.jsonl.gz" for split in ("heldout", "train")]
     if not all(p.is_file() for p in parts):
         return
@@ -80,6 +98,10 @@ def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:
                 fh.writelines(src)
     settings = read_file(out / "settings.json", f"delete {out} and regenerate the data")
     timing.write_text(json.dumps({"seconds": settings.get("regeneration_seconds", 0.0)}))
+    # Data finalized before answerers were recorded came from this script's in-process path (float32 on the CPU).
+    answerers = settings.get("answered_by") or [{"in_process": "transformers generate", "dtype": "float32",
+                                                 "device": "cpu"}]
+    settings_file(answers).write_text(json.dumps({"sampling": settings["sampling"], "answered_by": answerers}))
     log.info("self_distill: resuming from the %s answers committed in %s", sum(settings["answered"].values()), out)
 
 
@@ -87,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="a named target (models/zoo.py) or an HF model directory")
     parser.add_argument("--num-prompts", type=int, default=3300)
+    parser.add_argument("--more-prompts", type=int, default=0,
+                        help="training prompts beyond --num-prompts' (data/prompts.py build_more_prompts); chat only")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -94,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="", help="default runs/self_distill/<target name>")
     parser.add_argument("--out", default="", help="default data/real/<target name>")
     parser.add_argument("--finalize", action="store_true", help="write the compressed data from what is done")
+    parser.add_argument("--server", default="", help="URL of an OpenAI-compatible server serving the target "
+                        "(llama-server, vLLM, SGLang) to answer instead of this process; --batch-size requests at once")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     name = Path(args.target).name
@@ -102,12 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     target_dir = Path(resolve_target(args.target))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     text = tokenizer.chat_template is None  # a base model: plain-text openings to continue
+    if text and args.more_prompts:
+        parser.error(f"--more-prompts: {args.target} has no chat template; there are more plain-text openings only "
+                     "through a larger --num-prompts (a new held-out split)")
     settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
+                **({"more_prompts": args.more_prompts} if args.more_prompts else {}),
                 "prompt_seed": args.seed,
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
                              "max_new_tokens": args.max_new_tokens, "seed": args.seed},
                 "batch_size": args.batch_size,
-                "command": "python scripts/self_distill.py " + shlex.join(a for a in sys.argv[1:] if a != "--finalize")}
+                "command": "draftsmith self-distill " + shlex.join(a for a in (sys.argv[1:] if argv is None else argv)
+                                                                          if a != "--finalize")}
     if args.finalize:
         print(json.dumps(finalize(work, out, target_dir, settings), indent=1))
         return
@@ -118,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = read_file(prompts_file, f"delete {prompts_file} and run again")
+    if args.more_prompts:
+        more = build_more_prompts(args.num_prompts, args.more_prompts, args.seed)
+        (work / "more_prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in more))
+        rows += more
     answers = work / "answers.jsonl"
     if not answers.is_file():
         seed_from_committed(out, answers, work / "timing.json")
@@ -128,24 +163,33 @@ def main(argv: list[str] | None = None) -> None:
     log.info("self_distill: %d of %d prompts to answer (%s)", len(todo), len(rows), answers)
 
     torch.manual_seed(args.seed + len(done))
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    if args.server:
+        model = Server(args.server, args.seed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if todo:
+        record_settings(answers, settings, model.provenance() if args.server else in_process(model))
     timing_file = work / "timing.json"
     spent = read_file(timing_file, f"delete {timing_file} and run again")["seconds"] if timing_file.is_file() else 0.0
+    t0, written = time.perf_counter(), 0
     with open(answers, "a") as fh:
-        for b in range(0, len(todo), args.batch_size):
-            t0 = time.perf_counter()
-            for row in (continue_batch if text else regenerate_batch)(
-                    model, tokenizer, todo[b: b + args.batch_size], args.temperature, args.max_new_tokens):
+        try:
+            for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
+                                args.max_new_tokens, args.batch_size):
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-            fh.flush()
-            spent += time.perf_counter() - t0
-            timing_file.write_text(json.dumps({"seconds": spent}))
-            log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + b + len(todo[b: b + args.batch_size]),
-                     len(rows), spent)
+                fh.flush()
+                written += 1
+                timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
+                if written % args.batch_size == 0 or written == len(todo):
+                    log.info("self_distill: %d/%d answered, %.0f s spent", len(done) + written, len(rows),
+                             spent + time.perf_counter() - t0)
+        except ServerError as e:
+            raise ServerError(f"{e}; {len(done) + written} of {len(rows)} prompts are answered in {answers}: rerun "
+                              "the same command once the server answers to continue") from None
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

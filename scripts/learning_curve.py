@@ -1,0 +1,121 @@
+"""The learning curve of an EAGLE run: tau by real speculative decoding (chain and tree, T=0 and T=1) of every
+checkpoint against the training tokens it had seen, beside the held-out step-0 acceptance its checkpoint evaluation
+logged (metrics.jsonl); a table (JSON) and one plot.
+
+    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --num-prompts 8 --max-new-tokens 64 \
+        --out benchmarks/learning_curve_smollm2.json --plot benchmarks/learning_curve_smollm2.png
+
+Each checkpoint's figures are written as soon as they are measured and kept on a rerun (delete the JSON to measure
+afresh); the prompts are the recipe's held-out ones (eval.prompts), decoded as `draftsmith evaluate` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from draftsmith.data.core import checkpoints
+from draftsmith.data.reference import load_prompts
+from draftsmith.decoding.evaluate import evaluate, render_prompts
+from draftsmith.models.registry import load_proposer
+from draftsmith.models.target import load_target
+from draftsmith.train.config import shipped
+
+MODES = ("chain", "tree")
+TEMPERATURES = (0.0, 1.0)
+
+
+def logged(run: Path) -> dict[int, dict]:
+    """step -> the checkpoint evaluation's row of metrics.jsonl (the last one logged at that step)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").is_file() else []
+    return {r["step"]: r for r in rows if "eval/heldout_acc_0" in r}
+
+
+def plot(table: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [r["train_tokens"] / 1e3 for r in table]
+    for mode in MODES:
+        for t, style in zip(TEMPERATURES, ("-", "--"), strict=True):
+            ax.plot(x, [r[f"tau_{mode}_t{t:g}"] for r in table], style, marker="o", label=f"tau {mode} T={t:g}")
+    ax.set(xlabel="training tokens (thousands)", ylabel="tau (tokens per target forward)", title=title)
+    ax.set_xscale("log")
+    acc = [(xi, r["heldout_acc_0"]) for xi, r in zip(x, table, strict=True) if r.get("heldout_acc_0") is not None]
+    if acc:
+        right = ax.twinx()
+        right.plot(*zip(*acc, strict=True), ":", color="grey", marker="s", label="held-out step-0 acceptance")
+        right.set(ylabel="held-out step-0 acceptance", ylim=(0, 1))
+        right.legend(loc="lower right")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="a training run directory with checkpoint-*/model")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, nargs="*", help="only these checkpoints' steps (default: all)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    positions = cfg["loop"]["batch_size"] * cfg["loop"]["grad_accum"] * cfg["data"]["max_length"]
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.is_file() else {
+        "run": str(run), "recipe": {k: cfg[k] for k in ("target", "data", "eagle", "loop")},
+        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "prompts": cfg["eval"]["prompts"],
+        "train_tokens": f"steps x {positions} (batch_size x grad_accum x data.max_length: packed rows, padding "
+                        "included)", "table": []}
+    if (result["num_prompts"], result["max_new_tokens"]) != (args.num_prompts, args.max_new_tokens):
+        raise SystemExit(f"{out} was measured with {result['num_prompts']} prompts x {result['max_new_tokens']} tokens; "
+                         "pass the same, or another --out to measure afresh")
+    result["command"] = (f"python scripts/learning_curve.py --run {run} --num-prompts {result['num_prompts']} "
+                         f"--max-new-tokens {result['max_new_tokens']} --out {out}"
+                         + (f" --plot {args.plot}" if args.plot else ""))  # --steps: only which ones this call adds
+    done = {r["step"] for r in result["table"]}
+    todo = [c for c in checkpoints(run) if int(c.name.split("-")[1]) not in done and (c / "model").is_dir()
+            and (not args.steps or int(c.name.split("-")[1]) in args.steps)]
+    if todo:
+        target = load_target(cfg["target"]["path"])
+        prompts = render_prompts(target.tokenizer, load_prompts(Path(shipped(cfg["eval"]["prompts"])),
+                                                                limit=args.num_prompts))
+        baselines: dict = {}
+        evals = logged(run)
+    for ckpt in todo:
+        step, t0 = int(ckpt.name.split("-")[1]), time.perf_counter()
+        row = {"step": step, "train_tokens": step * positions}
+        for mode in MODES:
+            proposer = load_proposer(str(ckpt / "model"), target.model, mode=mode)
+            r = evaluate(target.model, proposer, prompts, args.max_new_tokens, TEMPERATURES, check_greedy=False,
+                         baselines=baselines)
+            for t, fig in r["by_temperature"].items():
+                row[f"tau_{mode}_t{t}"] = round(fig["tau"], 4)
+        e = evals.get(step, {})  # the held-out step-0 acceptance: greedy (top-1 agreement) and expected at T=1
+        row["heldout_acc_0"] = round(e["eval/heldout_acc_0"], 4) if e else None
+        row["heldout_accept_0"] = round(e["eval/heldout_accept_0"], 4) if e else None
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        kept = json.loads(out.read_text())["table"] if out.is_file() else []  # another call's rows too
+        result["table"] = sorted([*[r for r in kept if r["step"] != step], row], key=lambda r: r["step"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(row), flush=True)
+    if args.plot and result["table"]:
+        plot(result["table"], args.plot, f"{Path(cfg['target']['path']).name} EAGLE-3: tau against training tokens\n"
+                                          f"{result['num_prompts']} held-out prompts x {result['max_new_tokens']} tokens")
+    return result
+
+
+if __name__ == "__main__":
+    main()

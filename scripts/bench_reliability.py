@@ -432,8 +432,9 @@ def cases() -> list[Case]:
              expect_disk=lambda d: (d / "taken" / "file").read_text() == "user data"),
         Case("export_unknown_format", "export", "export --format onnx", lambda d: exported(
             d, "--format", "onnx", "--out", str(d / "x")), r"format 'onnx' is not available for medusa"),
-        Case("export_eagle3_reference", "export reference", "EAGLE-3 from the recipe (relative target.path), export "
-             "sglang, evaluate the export", export_case("train/eagle3.py", "sglang", "eagle.draft_vocab_size=512"),
+        Case("export_eagle3_reference", "export reference", "EAGLE-3 from the recipe (relative target.path, one layer: SGLang loads one), export "
+             "sglang, evaluate the export", export_case("train/eagle3.py", "sglang", "eagle.draft_vocab_size=512",
+                                                   "eagle.num_layers=1"),
              r"^\s*0\s+\d", 0),
         Case("export_medusa_evaluate", "export evaluation", "Medusa-1 export (original layout), evaluate the export",
              export_case("train/medusa.py", "medusa"), r"^\s*0\s+\d", 0),

@@ -29,11 +29,19 @@ MODES = ("chain", "tree")
 TEMPERATURES = (0.0, 1.0)
 
 
-def logged(run: Path) -> dict[int, dict]:
-    """step -> the checkpoint evaluation's row of metrics.jsonl (the last one logged at that step)."""
+def logged(run: Path, row: dict) -> dict:
+    """The row with what the run logged at its step: the checkpoint evaluation's held-out step-0 acceptance (greedy:
+    top-1 agreement; T=1: expected acceptance), its seconds and the run's eval_share (metrics.jsonl), and the
+    training seconds spent (the checkpoint's state.json); None where the checkpoint was not evaluated (a stop)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
         if (run / "metrics.jsonl").is_file() else []
-    return {r["step"]: r for r in rows if "eval/heldout_acc_0" in r}
+    e = next((r for r in reversed(rows) if r["step"] == row["step"] and "eval/heldout_acc_0" in r), {})
+    state = run / f"checkpoint-{row['step']}" / "state.json"
+    return {**row, **{k: round(e[key], 4) if e else None for k, key in (
+        ("heldout_acc_0", "eval/heldout_acc_0"), ("heldout_accept_0", "eval/heldout_accept_0"),
+        ("checkpoint_eval_seconds", "eval/eval_seconds"), ("eval_share", "eval_share"))},
+        "train_seconds": round(json.loads(state.read_text())["train_seconds"], 1) if state.is_file() else
+        row.get("train_seconds")}
 
 
 def plot(table: list[dict], path: str, title: str) -> None:
@@ -92,7 +100,6 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = render_prompts(target.tokenizer, load_prompts(Path(shipped(cfg["eval"]["prompts"])),
                                                                 limit=args.num_prompts))
         baselines: dict = {}
-        evals = logged(run)
     for ckpt in todo:
         step, t0 = int(ckpt.name.split("-")[1]), time.perf_counter()
         row = {"step": step, "train_tokens": step * positions}
@@ -102,15 +109,15 @@ def main(argv: list[str] | None = None) -> dict:
                          baselines=baselines)
             for t, fig in r["by_temperature"].items():
                 row[f"tau_{mode}_t{t}"] = round(fig["tau"], 4)
-        e = evals.get(step, {})  # the held-out step-0 acceptance: greedy (top-1 agreement) and expected at T=1
-        row["heldout_acc_0"] = round(e["eval/heldout_acc_0"], 4) if e else None
-        row["heldout_accept_0"] = round(e["eval/heldout_accept_0"], 4) if e else None
-        row["seconds"] = round(time.perf_counter() - t0, 1)
+        row["seconds"] = round(time.perf_counter() - t0, 1)  # this curve's decoding of the checkpoint
         kept = json.loads(out.read_text())["table"] if out.is_file() else []  # another call's rows too
         result["table"] = sorted([*[r for r in kept if r["step"] != step], row], key=lambda r: r["step"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(row), flush=True)
+    if out.is_file():  # every row written so far, by this call or another, with what the run logged since
+        result["table"] = [logged(run, r) for r in json.loads(out.read_text())["table"]]
+        out.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot and result["table"]:
         plot(result["table"], args.plot, f"{Path(cfg['target']['path']).name} EAGLE-3: tau against training tokens\n"
                                           f"{result['num_prompts']} held-out prompts x {result['max_new_tokens']} tokens")

@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 import platform
+import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = render_prompts(target.tokenizer, load_prompts(args.prompts, limit=args.num_prompts))
     ids = [x[0].tolist() for x in prompts]
     ggufs = target_ggufs(args.target, target_dir, args.precisions)
-    results = {"settings": {"target": args.target, "prompts": str(args.prompts), "num_prompts": len(ids),
+    results = {"settings": {"command": shlex.join(["python", "scripts/bench_llama_cpp.py", *sys.argv[1:]]),
+                            "target": args.target, "prompts": str(args.prompts), "num_prompts": len(ids),
                             "max_new_tokens": args.max_new_tokens, "draft_n": args.draft_n,
                             "temperatures": args.temperatures, "threads": args.threads,
                             "llama_cpp": str(llama_cpp.binary("llama-server")), "machine": platform.processor()

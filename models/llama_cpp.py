@@ -157,11 +157,13 @@ class Server:
     and returns llama.cpp's own counts for that request (its /metrics before and after: the slot's statistics are
     added there when the request ends): draft tokens, accepted, verification steps and accepted by draft position.
 
-    args: more llama-server options (the speculative ones: --spec-type, -md, --spec-draft-n-max ...)."""
+    args: more llama-server options (the speculative ones: --spec-type, -md, --spec-draft-n-max ...); slots: requests
+    served at once, each with a context of `ctx` tokens."""
 
-    def __init__(self, model: Path, args: list[str] = (), threads: int | None = None, ctx: int = 4096):
+    def __init__(self, model: Path, args: list[str] = (), threads: int | None = None, ctx: int = 4096, slots: int = 1):
         self.cmd = [str(need_binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--metrics",
-                    "-np", "1", "-c", str(ctx), "-t", str(threads or os.cpu_count() or 1), *map(str, args)]
+                    "-np", str(slots), "-c", str(slots * ctx), "-t", str(threads or os.cpu_count() or 1),
+                    *map(str, args)]
 
     def __enter__(self) -> Server:
         with socket.socket() as s:

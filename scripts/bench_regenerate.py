@@ -1,12 +1,12 @@
 """Regeneration tokens/s: the target in this process (batched transformers generate) against the same weights served
 by llama-server (concurrent /v1/completions requests), on the same prompts, greedy.
 
-    python scripts/bench_regenerate.py --gguf TARGET.gguf [--target smollm2-135m-instruct] [--llama-server BIN]
+    python scripts/bench_regenerate.py --gguf TARGET.gguf [--target smollm2-135m-instruct]
         [--prompts 64] [--max-new-tokens 128] [--batch-size 16] [--concurrency 8 16] [--threads N]
         [--out benchmarks/regenerate_server.json]
 
 TARGET.gguf: the target converted by llama.cpp's convert_hf_to_gguf.py with --outtype f32, so both paths run the
-same weights. BIN: llama-server (default: the newest ~/.cache/draftsmith/llama.cpp/*/build/bin/llama-server).
+same weights. llama-server: the one `draftsmith llama-cpp` finds (DRAFTSMITH_LLAMA_CPP, the cache, PATH).
 The prompts are the first N of data/real/NAME/heldout_prompts.jsonl. Both paths run train/regenerate.py's own code
 (`answered`): in-process B conversations per batch; through the server C requests at once, llama-server started
 here on 127.0.0.1 with C slots and stopped after. tokens/s = the answers' tokens (each reply tokenized by the
@@ -19,22 +19,19 @@ a figure taken while other jobs share the cores understates both.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.server import Server
+from draftsmith.models import llama_cpp
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.regenerate import answered, regenerate_batch
 
@@ -56,33 +53,10 @@ def answer_tokens(tokenizer, rows: dict[str, dict]) -> int:
                for r in rows.values() for m in r["messages"] if m["role"] == "assistant")
 
 
-def start_llama_server(binary: str, gguf: str, slots: int, threads: int, ctx_per_slot: int, log: Path):
-    """llama-server on a free 127.0.0.1 port, once /health answers -> (process, url)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), "-t", str(threads), "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with status {proc.returncode}; its log: {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url, cmd
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"llama-server did not answer /health within 5 minutes; its log: {log}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, help="the target as an F32 GGUF (llama.cpp's convert_hf_to_gguf.py)")
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--llama-server", default="", help="default: ~/.cache/draftsmith/llama.cpp/*/build/bin/")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="the in-process batch")
@@ -90,10 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "regenerate_server.json"))
     args = parser.parse_args()
-    binary = args.llama_server or max(glob.glob(os.path.expanduser(
-        "~/.cache/draftsmith/llama.cpp/*/build/bin/llama-server")), default="", key=os.path.getmtime)
-    if not Path(binary).is_file():
-        parser.error("no llama-server: build llama.cpp (docs/llama-cpp.md) or pass --llama-server BIN")
+    binary = str(llama_cpp.need_binary("llama-server"))
     name, target = Path(args.target).name, resolve_target(args.target)
     lines = (REPO / "data" / "real" / name / "heldout_prompts.jsonl").read_text().splitlines()[: args.prompts]
     rows = [{"id": p["id"], "messages": p["messages"]} for p in map(json.loads, lines)]
@@ -119,13 +90,9 @@ def main() -> None:
     del model
     print(json.dumps(result["in_process"]), flush=True)
     for c in args.concurrency:
-        log = Path(tempfile.mkdtemp(prefix="bench-regenerate-")) / "llama-server.log"
-        proc, url, cmd = start_llama_server(binary, args.gguf, c, args.threads, 2048, log)
-        try:
-            seconds, served, load = timed(Server(url), tokenizer, rows, args.max_new_tokens, c)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+        with llama_cpp.Server(Path(args.gguf), ["--no-webui"], args.threads, ctx=2048, slots=c) as server:
+            seconds, served, load = timed(Server(server.url), tokenizer, rows, args.max_new_tokens, c)
+            cmd = server.cmd
         tokens = answer_tokens(tokenizer, served)
         same = sum(served[i]["messages"] == here[i]["messages"] for i in here)
         result["server"].append({

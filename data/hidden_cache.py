@@ -161,6 +161,18 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
 
 
 @torch.no_grad()
+@torch.no_grad()
+def teacher_stats(target, f: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """f [..., s, H] final features -> (log_z, greedy) [..., s]: the target's whole-vocabulary log-normaliser and
+    argmax, what an EAGLE-3 teacher needs beyond a pruned draft vocabulary; logits [..., chunk, V] at a time."""
+    log_z, greedy = [], []
+    for x in f.split(chunk or f.shape[-2], -2):
+        z = target.logits(x.to(target.lm_head.weight.dtype)).float()  # [..., c, V]
+        log_z.append(z.logsumexp(-1))
+        greedy.append(z.argmax(-1))
+    return torch.cat(log_z, -1), torch.cat(greedy, -1)
+
+
 def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype: torch.dtype,
                  batch_size: int) -> None:
     """Forward `rows` through the target in batches and save their features as one shard, atomically."""
@@ -184,10 +196,8 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
             tensors["hidden"][a:b] = tap.hidden[j, : b - a].to("cpu", dtype)  # [len, H]
             if layers:
                 tensors["aux"][a:b] = aux[j, : b - a].to("cpu", dtype)  # [len, n*H]
-                for c in range(a, b, LOGIT_CHUNK):  # the teacher's view of the whole vocabulary, [chunk, V] at a time
-                    logits = target.logits(tap.hidden[j, c - a: min(b, c + LOGIT_CHUNK) - a]).float()  # [chunk, V]
-                    tensors["log_z"][c: c + logits.shape[0]] = logits.logsumexp(-1).cpu()
-                    tensors["greedy"][c: c + logits.shape[0]] = logits.argmax(-1).cpu()
+                log_z, greedy = teacher_stats(target, tap.hidden[j, : b - a], LOGIT_CHUNK)  # [len] each
+                tensors["log_z"][a:b], tensors["greedy"][a:b] = log_z.cpu(), greedy.cpu()
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, tmp, metadata={"format": FORMAT})
     with open(tmp, "rb") as fh:

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from draftsmith.data.dataset import DataConfig, build_dataset, cache_key
-from draftsmith.data.hidden_cache import HiddenCache, collate_features
+from draftsmith.data.hidden_cache import HiddenCache, collate_features, teacher_stats
 from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.eagle import Eagle, draft_vocab
 from draftsmith.models.eagle_config import EagleConfig, aux_layers
@@ -79,12 +79,7 @@ def heldout_batches(method: Eagle, rows: list[dict], batch_size: int = 8) -> lis
         batch["hidden"] = f
         if method.cfg.version == 3:
             batch["aux"] = g
-            log_z, greedy = [], []
-            for x in f.split(method.cfg.logit_chunk or f.shape[1], 1):  # [b, c, V] logits at a time, as the teacher
-                z = method.target.logits(x.to(method.target.lm_head.weight.dtype)).float()
-                log_z.append(z.logsumexp(-1))
-                greedy.append(z.argmax(-1))
-            batch["log_z"], batch["greedy"] = torch.cat(log_z, 1), torch.cat(greedy, 1)  # [b, s] each
+            batch["log_z"], batch["greedy"] = teacher_stats(method.target, f, method.cfg.logit_chunk)  # [b, s] each
         out.append(batch)
     return out
 

@@ -8,6 +8,9 @@ questions, lists and formats, multi-turn follow-ups) from small templates filled
 Every prompt is a conversation ending in a user turn; multi-turn ones hold an empty assistant turn that
 regeneration fills first. The split is by a hash of the first user turn, so it never depends on order.
 `build_more_prompts` adds training prompts to a set already answered, leaving its held-out split as it is.
+`build_other_prompts` makes prompts of kinds none of these is (recipes, travel plans, dialogues, product copy, SQL,
+shell, reviews, translation): another domain, to measure a drafter's tau off its training traffic
+(`draftsmith self-distill --target NAME --other-prompts` writes them to data/real/NAME/other_prompts.jsonl).
 """
 
 from __future__ import annotations
@@ -195,6 +198,111 @@ def build_more_prompts(n: int, more: int, seed: int = 0) -> list[dict]:
     new = [r for r in build_prompts(n + more, seed) if r["id"] not in have and r["split"] == "train"]
     random.Random(seed).shuffle(new)
     return new[:more]
+
+
+DISHES = ["tomato soup", "pancakes", "a vegetable curry", "fried rice", "banana bread", "guacamole", "lentil stew",
+          "a mushroom risotto", "a Greek salad", "pasta carbonara", "chicken noodle soup", "apple crumble"]
+INGREDIENTS = ["eggs", "rice", "spinach", "chickpeas", "potatoes", "cheese", "onions", "tomatoes", "oats", "lemons",
+               "garlic", "carrots", "yogurt", "mushrooms"]
+CITIES = ["Kyoto", "Barcelona", "Edinburgh", "Marrakesh", "Vancouver", "Istanbul", "Prague", "Cape Town", "Havana",
+          "Reykjavik", "Seoul", "Florence"]
+TRAVELLERS = ["a family with two small children", "a student on a tight budget", "a couple who love museums",
+              "a solo hiker", "two retired friends who walk slowly", "a food lover", "a photographer"]
+MONTHS = ["January", "April", "July", "October", "December"]
+ROLES = [("a waiter", "a customer who got the wrong order"), ("a doctor", "a patient with a sore throat"),
+         ("a landlord", "a tenant whose heater is broken"), ("a teacher", "a parent worried about homework"),
+         ("a hotel receptionist", "a guest who lost their key"), ("a shop assistant", "a customer returning shoes"),
+         ("a job interviewer", "a nervous candidate"), ("a taxi driver", "a tourist who is late for a flight")]
+PRODUCTS = ["a stainless steel water bottle", "wireless earbuds", "a wooden desk lamp", "a hiking backpack",
+            "a cast iron pan", "a yoga mat", "a smart thermostat", "a children's raincoat", "a mechanical keyboard",
+            "a ceramic teapot"]
+BUYERS = ["busy parents", "students", "gamers", "people who cook at home", "runners", "people who work from home"]
+TABLES = {"orders": ("total", "status"), "employees": ("salary", "department"), "books": ("price", "author"),
+          "students": ("score", "grade"), "products": ("stock", "category"), "flights": ("delay_minutes", "airline")}
+SHELL_TASKS = ["counts the lines of every .txt file in a folder", "finds files larger than 100 MB under the home folder",
+               "renames every .jpeg file in a folder to .jpg", "shows the 10 largest folders in the current one",
+               "deletes files older than 30 days in /tmp/cache", "prints the 5 most common words in a text file",
+               "replaces 'foo' with 'bar' in every .md file", "lists the 5 processes using the most memory",
+               "packs a folder into a .tar.gz archive", "shows which process listens on port 8080",
+               "counts the distinct IP addresses in a web server's access log"]
+REVIEWS = {  # what was reviewed -> (praise, complaint)
+    "hotel": ("has spotless rooms", "has a shower that never gets hot"),
+    "pair of headphones": ("sounds great", "stopped charging after a week"),
+    "restaurant": ("serves the best soup in town", "brought our food cold"),
+    "phone case": ("fits perfectly", "cracked the first time I dropped it"),
+    "film": ("has a clever ending", "is an hour too long"), "train journey": ("left right on time", "had no seats"),
+    "coffee maker": ("is quick and quiet", "leaks onto the counter"),
+    "novel": ("kept me up all night", "has a disappointing ending")}
+LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
+SENTENCES = ["My sister is going to the market tomorrow.", "Where is the nearest train station?",
+             "We would like a table for four, please.", "I forgot my umbrella at the office.",
+             "The museum opens at nine on Saturdays.", "Could you speak a little more slowly?",
+             "Our neighbours have a very friendly dog.", "I am learning to play the guitar.",
+             "How much does this jacket cost?", "It rained all weekend, so we stayed inside."]
+
+
+def other_makers(rng: random.Random) -> dict:
+    """kind -> maker of one user text, for tasks of kinds build_prompts never makes."""
+    n, cost = rng.randint(2, 6), 100 * rng.randint(3, 20)
+    table = rng.choice(list(TABLES))
+    num, cat = TABLES[table]
+    cols = f"`{table}(id, name, {cat}, {num}, created_at)`"
+    thing, lang = rng.choice(list(REVIEWS)), rng.choice(LANGUAGES)
+    good, bad = REVIEWS[thing]
+    return {
+        "recipe": lambda: rng.choice([
+            f"Give me a recipe for {rng.choice(DISHES)} that serves {n}: the ingredients first, then numbered steps.",
+            "I have {}, {} and {} at home. What could I cook for dinner, and how?".format(*rng.sample(INGREDIENTS, 3)),
+            f"How do I make {rng.choice(DISHES)} without an oven?",
+            f"How long should {rng.choice(DISHES)} cook, and how can I tell when it is done?"]),
+        "travel_plan": lambda: rng.choice([
+            f"Plan a {n}-day trip to {rng.choice(CITIES)} for {rng.choice(TRAVELLERS)}, day by day.",
+            f"What should {rng.choice(TRAVELLERS)} know before visiting {rng.choice(CITIES)} in {rng.choice(MONTHS)}?",
+            f"Suggest a one-day walking route through {rng.choice(CITIES)} for {rng.choice(TRAVELLERS)}.",
+            f"I have {n} days and ${cost} to spend in {rng.choice(CITIES)}. How should I split the money?"]),
+        "dialogue": lambda: rng.choice([
+            "Write a short dialogue between {} and {}.", "Role-play: you are {} and I am {}. Start the conversation.",
+            "Write a scene of " + str(2 * n + 2) + " lines in which {} talks with {}, each line starting with the "
+            "speaker."]).format(*rng.choice(ROLES)),
+        "product_description": lambda: rng.choice([
+            f"Write a product description of about {20 * n} words for {rng.choice(PRODUCTS)} in an online shop.",
+            f"Write three selling points for {rng.choice(PRODUCTS)}, aimed at {rng.choice(BUYERS)}.",
+            f"Write a product title and a two-line description for {rng.choice(PRODUCTS)}.",
+            f"A customer asks whether {rng.choice(PRODUCTS)} is worth ${cost // 10}. Answer as the shop."]),
+        "sql": lambda: "Write an SQL query on a table {} that {}.".format(cols, rng.choice([
+            f"returns the {n} rows with the highest `{num}`", f"counts the rows for each `{cat}`",
+            f"gives the average `{num}` per `{cat}`, largest first",
+            f"lists the names of rows created in {rng.choice(MONTHS)} 2024 whose `{num}` is above {cost}",
+            f"deletes the rows whose `{cat}` is empty"])),
+        "shell": lambda: rng.choice(["Give a bash one-liner that {}.", "How do I write a shell command that {}? "
+                                     "Explain each part.", "Write a short shell script that {}, with a comment on "
+                                     "each line."]).format(rng.choice(SHELL_TASKS)),
+        "review": lambda: rng.choice([
+            "Is this review positive, negative or mixed? Answer in one word, then explain.\n\n",
+            "Write a polite reply from the business to this review:\n\n",
+            "Which parts of this review could the business act on?\n\n"])
+            + rng.choice([f"The {thing} {good}.", f"The {thing} {bad}.", f"The {thing} {good}, but it {bad}."]),
+        "translation": lambda: rng.choice(["Translate into {}: \"{}\"", "How do you say \"{1}\" in {0}?",
+                                           "Translate this sentence into {} and explain any tricky word: {}"])
+            .format(lang, rng.choice(SENTENCES)),
+    }
+
+
+def build_other_prompts(n: int = 64, seed: int = 0) -> list[dict]:
+    """n distinct one-turn conversations `{"id", "kind", "messages"}` of kinds build_prompts never makes, the 8 kinds
+    taking turns (the first k rows cover min(k, 8) kinds, each kind has n // 8 or one more)."""
+    rng = random.Random(seed)
+    rows, seen = [], set()
+    while len(rows) < n:
+        makers = other_makers(rng)  # fresh fillers (a table, a review's verdicts, ...) for each round of kinds
+        for kind, make in list(makers.items())[: n - len(rows)]:
+            text = next((t for t in (make() for _ in range(1000)) if t not in seen), None)
+            if text is None:
+                raise ValueError(f"build_other_prompts: the {kind} templates ran out of distinct prompts before "
+                                 f"n={n}; ask for fewer")
+            seen.add(text)
+            rows.append({"id": hashlib.sha256(text.encode()).hexdigest()[:16], "kind": kind, "messages": user(text)})
+    return rows
 
 
 def _dedent(lines: list[str], indent: int) -> list[str]:

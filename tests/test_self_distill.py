@@ -7,8 +7,10 @@ import gzip
 import json
 import shutil
 
+from conftest import REPO
+
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
+from draftsmith.data.prompts import build_more_prompts, build_other_prompts, build_prompts, build_text_prompts
 from draftsmith.data.reference import load_prompts
 from draftsmith.train import self_distill
 
@@ -158,3 +160,21 @@ def test_more_prompts_are_new_training_prompts_and_leave_the_held_out_split_alon
     assert (tmp_path / "out" / "heldout_prompts.jsonl").read_text() == heldout
     answers = [json.loads(line) for line in open(tmp_path / "work" / "answers.jsonl")]
     assert len(answers) == 42 and {r["id"] for r in answers[30:]} == {r["id"] for r in build_more_prompts(30, 12)}
+
+
+def test_other_prompts_are_another_domain_and_the_committed_file_is_what_the_command_writes(tiny_chat_target, tmp_path):
+    committed = REPO / "data" / "real" / "smollm2-135m-instruct"
+    self_distill.main(["--target", str(tiny_chat_target), "--other-prompts", "--out", str(tmp_path)])
+    written = (tmp_path / "other_prompts.jsonl").read_text()
+    assert written == (committed / "other_prompts.jsonl").read_text()  # seeded: the same file on every run
+    rows = load_prompts(tmp_path / "other_prompts.jsonl")
+    kinds = collections.Counter(r["kind"] for r in rows)
+    assert len(rows) == 64 and len({r["id"] for r in rows}) == 64 and set(kinds.values()) == {8}
+    assert len({r["kind"] for r in rows[:8]}) == 8  # the kinds take turns: a few prompts cover them all
+    with gzip.open(committed / "train.jsonl.gz", "rt") as fh:
+        train = [json.loads(line) for line in fh]
+    train_kinds = {r["kind"] for r in train} | {r["kind"] for r in build_prompts(600)}
+    assert not set(kinds) & train_kinds  # no kind the drafter was trained on
+    train_texts = {m["content"] for r in train for m in r["messages"] if m["role"] == "user"}
+    assert not {r["messages"][0]["content"] for r in rows} & train_texts
+    assert build_other_prompts(seed=1) != build_other_prompts() == build_other_prompts()

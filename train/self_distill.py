@@ -4,6 +4,7 @@
     draftsmith self-distill --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
     draftsmith self-distill --target smollm2-135m-instruct --more-prompts 1000  # 1,000 training prompts more
     draftsmith self-distill --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
+    draftsmith self-distill --target smollm2-135m-instruct --other-prompts  # data/real/NAME/other_prompts.jsonl
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
@@ -15,6 +16,8 @@ requests at once; see `draftsmith regenerate`), appending to `runs/self_distill/
 interrupted run resumes where it stopped (a fresh checkout resumes from the data already finalized into
 data/real/NAME). `--finalize` writes `data/real/NAME/{train,heldout}.jsonl.gz` and `settings.json` (sampling
 settings, counts, the target's provenance, what answered, time spent, the command) from the answers written so far.
+`--other-prompts` writes `data/real/NAME/other_prompts.jsonl` instead: 64 prompts of kinds the training prompts never
+are (build_other_prompts), to measure a drafter's tau on another domain (`scripts/learning_curve.py --prompts`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import read_file
-from draftsmith.data.prompts import build_more_prompts, build_prompts, build_text_prompts
+from draftsmith.data.prompts import build_more_prompts, build_other_prompts, build_prompts, build_text_prompts
 from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", default="", help="default runs/self_distill/<target name>")
     parser.add_argument("--out", default="", help="default data/real/<target name>")
     parser.add_argument("--finalize", action="store_true", help="write the compressed data from what is done")
+    parser.add_argument("--other-prompts", action="store_true", help="write OUT/other_prompts.jsonl (prompts of "
+                        "another domain, data/prompts.py build_other_prompts, seeded by --seed) and stop; chat only")
     parser.add_argument("--server", default="", help="URL of an OpenAI-compatible server serving the target "
                         "(llama-server, vLLM, SGLang) to answer instead of this process; --batch-size requests at once")
     args = parser.parse_args(argv)
@@ -131,6 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     if text and args.more_prompts:
         parser.error(f"--more-prompts: {args.target} has no chat template; there are more plain-text openings only "
                      "through a larger --num-prompts (a new held-out split)")
+    if text and args.other_prompts:
+        parser.error(f"--other-prompts: {args.target} has no chat template; the other domain's prompts are chat "
+                     "conversations")
+    if args.other_prompts:
+        out.mkdir(parents=True, exist_ok=True)
+        rows = build_other_prompts(seed=args.seed)
+        (out / "other_prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        log.info("self_distill: %d prompts of %d other kinds written to %s", len(rows), len({r["kind"] for r in rows}),
+                 out / "other_prompts.jsonl")
+        return
     settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
                 **({"more_prompts": args.more_prompts} if args.more_prompts else {}),
                 "prompt_seed": args.seed,

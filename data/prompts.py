@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import itertools
 import random
 
 from draftsmith.data.reference import stdlib_files
@@ -303,6 +304,15 @@ def build_other_prompts(n: int = 64, seed: int = 0) -> list[dict]:
             seen.add(text)
             rows.append({"id": hashlib.sha256(text.encode()).hexdigest()[:16], "kind": kind, "messages": user(text)})
     return rows
+
+
+def kinds_in_turn(rows: list[dict]) -> list[dict]:
+    """`rows` reordered so that their kinds take turns (kinds in order of first appearance, each kind's rows in their
+    order): the first k rows of a file sorted by kind, such as a held-out split, then sample every kind."""
+    by_kind: dict = {}
+    for r in rows:
+        by_kind.setdefault(r.get("kind"), []).append(r)
+    return [r for turn in itertools.zip_longest(*by_kind.values()) for r in turn if r is not None]
 
 
 def _dedent(lines: list[str], indent: int) -> list[str]:

@@ -4,9 +4,16 @@ logged (metrics.jsonl); a table (JSON) and one plot.
 
     python scripts/learning_curve.py --run runs/eagle3-smollm2-long --num-prompts 8 --max-new-tokens 64 \
         --out benchmarks/learning_curve_smollm2.json --plot benchmarks/learning_curve_smollm2.png
+    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --prompts \
+        data/real/smollm2-135m-instruct/other_prompts.jsonl --num-prompts 64 --out benchmarks/other_domain.json
+    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --kinds-in-turn --num-prompts 64 \
+        --out benchmarks/in_domain.json
 
 Each checkpoint's figures are written as soon as they are measured and kept on a rerun (delete the JSON to measure
-afresh); the prompts are the recipe's held-out ones (eval.prompts), decoded as `draftsmith evaluate` does.
+afresh); the prompts are the recipe's held-out ones (eval.prompts) unless `--prompts FILE` names others (such as
+another domain's, `draftsmith self-distill --other-prompts`), decoded as `draftsmith evaluate` does: the first
+--num-prompts of the file, or with `--kinds-in-turn` the first after the prompts' kinds are made to take turns (a
+held-out split is sorted by kind, so its first prompts are all code); the JSON records which.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from draftsmith.data.core import checkpoints
+from draftsmith.data.prompts import kinds_in_turn
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
 from draftsmith.models.registry import load_proposer
@@ -71,6 +79,9 @@ def plot(table: list[dict], path: str, title: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="a training run directory with checkpoint-*/model")
+    parser.add_argument("--prompts", help="JSONL of prompts to decode (default: the recipe's eval.prompts)")
+    parser.add_argument("--kinds-in-turn", action="store_true",
+                        help="take --num-prompts prompts with the file's kinds taking turns, not the first ones")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, nargs="*", help="only these checkpoints' steps (default: all)")
@@ -80,25 +91,31 @@ def main(argv: list[str] | None = None) -> dict:
     run = Path(args.run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     positions = cfg["loop"]["batch_size"] * cfg["loop"]["grad_accum"] * cfg["data"]["max_length"]
+    prompts_file = args.prompts or cfg["eval"]["prompts"]
+    pick = "kinds in turn" if args.kinds_in_turn else "first"
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.is_file() else {
         "run": str(run), "recipe": {k: cfg[k] for k in ("target", "data", "eagle", "loop")},
-        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "prompts": cfg["eval"]["prompts"],
+        "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "prompts": prompts_file, "pick": pick,
         "train_tokens": f"steps x {positions} (batch_size x grad_accum x data.max_length: packed rows, padding "
                         "included)", "table": []}
-    if (result["num_prompts"], result["max_new_tokens"]) != (args.num_prompts, args.max_new_tokens):
-        raise SystemExit(f"{out} was measured with {result['num_prompts']} prompts x {result['max_new_tokens']} tokens; "
+    given = (result["num_prompts"], result["max_new_tokens"], result["prompts"], result.get("pick", "first"))
+    if given != (args.num_prompts, args.max_new_tokens, prompts_file, pick):
+        raise SystemExit(f"{out} was measured with {given[0]} prompts of {given[2]} ({given[3]}) x {given[1]} tokens; "
                          "pass the same, or another --out to measure afresh")
     result["command"] = (f"python scripts/learning_curve.py --run {run} --num-prompts {result['num_prompts']} "
                          f"--max-new-tokens {result['max_new_tokens']} --out {out}"
+                         + (f" --prompts {args.prompts}" if args.prompts else "")
+                         + (" --kinds-in-turn" if args.kinds_in_turn else "")
                          + (f" --plot {args.plot}" if args.plot else ""))  # --steps: only which ones this call adds
     done = {r["step"] for r in result["table"]}
     todo = [c for c in checkpoints(run) if int(c.name.split("-")[1]) not in done and (c / "model").is_dir()
             and (not args.steps or int(c.name.split("-")[1]) in args.steps)]
     if todo:
         target = load_target(cfg["target"]["path"])
-        prompts = render_prompts(target.tokenizer, load_prompts(Path(shipped(cfg["eval"]["prompts"])),
-                                                                limit=args.num_prompts))
+        rows = load_prompts(Path(shipped(prompts_file)))
+        rows = (kinds_in_turn(rows) if args.kinds_in_turn else rows)[: args.num_prompts]
+        prompts = render_prompts(target.tokenizer, rows)
         baselines: dict = {}
     for ckpt in todo:
         step, t0 = int(ckpt.name.split("-")[1]), time.perf_counter()
@@ -120,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
         out.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot and result["table"]:
         plot(result["table"], args.plot, f"{Path(cfg['target']['path']).name} EAGLE-3: tau against training tokens\n"
-                                          f"{result['num_prompts']} held-out prompts x {result['max_new_tokens']} tokens")
+                                          f"{result['num_prompts']} prompts of {Path(prompts_file).name} x "
+                                          f"{result['max_new_tokens']} tokens")
     return result
 
 

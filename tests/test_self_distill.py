@@ -10,7 +10,13 @@ import shutil
 from conftest import REPO
 
 from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.prompts import build_more_prompts, build_other_prompts, build_prompts, build_text_prompts
+from draftsmith.data.prompts import (
+    build_more_prompts,
+    build_other_prompts,
+    build_prompts,
+    build_text_prompts,
+    kinds_in_turn,
+)
 from draftsmith.data.reference import load_prompts
 from draftsmith.train import self_distill
 
@@ -170,7 +176,7 @@ def test_other_prompts_are_another_domain_and_the_committed_file_is_what_the_com
     rows = load_prompts(tmp_path / "other_prompts.jsonl")
     kinds = collections.Counter(r["kind"] for r in rows)
     assert len(rows) == 64 and len({r["id"] for r in rows}) == 64 and set(kinds.values()) == {8}
-    assert len({r["kind"] for r in rows[:8]}) == 8  # the kinds take turns: a few prompts cover them all
+    assert len({r["kind"] for r in rows[:8]}) == 8 and kinds_in_turn(rows) == rows  # the kinds take turns
     with gzip.open(committed / "train.jsonl.gz", "rt") as fh:
         train = [json.loads(line) for line in fh]
     train_kinds = {r["kind"] for r in train} | {r["kind"] for r in build_prompts(600)}
@@ -178,3 +184,8 @@ def test_other_prompts_are_another_domain_and_the_committed_file_is_what_the_com
     train_texts = {m["content"] for r in train for m in r["messages"] if m["role"] == "user"}
     assert not {r["messages"][0]["content"] for r in rows} & train_texts
     assert build_other_prompts(seed=1) != build_other_prompts() == build_other_prompts()
+    # The held-out split is sorted by kind; taking turns, its first 64 prompts hold 7 or 8 of each of its 9 kinds.
+    heldout = load_prompts(committed / "heldout_prompts.jsonl")
+    mixed = collections.Counter(r["kind"] for r in kinds_in_turn(heldout)[:64])
+    assert len(mixed) == 9 and set(mixed.values()) == {7, 8}
+    assert sorted(r["id"] for r in kinds_in_turn(heldout)) == sorted(r["id"] for r in heldout)

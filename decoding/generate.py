@@ -93,8 +93,24 @@ class LazyLogits:
         return self.hidden.shape[0]
 
     def _logits(self, lo: int, hi: int) -> torch.Tensor:
-        logits = self.head(self.hidden[lo:hi])  # [hi-lo, V]
+        return self._apply(self.hidden[lo:hi])  # [hi-lo, V]
+
+    def _apply(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)  # [k, V]
         return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+    @staticmethod
+    def prime(logits: list) -> None:
+        """The first block of several sequences' lazy logits (rows [0, 2): what every accept rule's first access
+        computes) in one matmul, so that a batch reads the head once rather than once per sequence. Other entries
+        (a model's own logits) are left alone."""
+        lazy = [x for x in logits if isinstance(x, LazyLogits)]
+        if not lazy:
+            return
+        blocks = [x.hidden[:2] for x in lazy]  # [<=2, H] each
+        rows = lazy[0]._apply(torch.cat(blocks) if len(blocks) > 1 else blocks[0])  # [sum, V]
+        for x, part in zip(lazy, rows.split([b.shape[0] for b in blocks]), strict=True):
+            x.rows.update(enumerate(part))
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
@@ -160,16 +176,17 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
 @torch.no_grad()
 def generate_batch(target, proposers: list[Proposer], prompts: list[torch.Tensor], max_new_tokens: int,
                    samplings: list[Sampling] | None = None, rule: str = "auto", eos_token_id=None,
-                   stats: DecodeStats | None = None) -> tuple[list[torch.Tensor], DecodeStats]:
+                   stats: DecodeStats | None = None, lockstep: bool = False) -> tuple[list[torch.Tensor], DecodeStats]:
     """`speculative_generate` of several prompts [1, L_i] at once, prompt i drafted by proposers[i] (one instance per
     sequence: proposers keep per-sequence state) with samplings[i]; returns (tokens [1, L_i + new_i] each, stats).
 
     In rounds: every unfinished sequence drafts (one after the other), then ONE target forward verifies all their
     trees (`LeanForward.ragged`: no padding, so each sequence's tokens and statistics are its batch-1 decode's up to
     float rounding), then each sequence verifies, commits and rolls back its own cache; the prefills are one forward
-    too. stats.wall_s grows by the batch's wall time, once. Where the target's forward cannot be shared (not covered
-    by decoding/lean.py, an accelerator, a proposer with the `target_forward` hook) the prompts are decoded one after
-    the other, each as `speculative_generate` would.
+    too, and so are the head's first rows of every sequence (`LazyLogits.prime`). stats.wall_s grows by the batch's
+    wall time, once. Where the target's forward cannot be shared (not covered by decoding/lean.py, an accelerator, a
+    proposer with the `target_forward` hook) or must run in `lockstep` (as in `speculative_generate`: a sharded
+    target) the prompts are decoded one after the other, each as `speculative_generate` would.
     """
     if len(proposers) != len(prompts) or len({id(p) for p in proposers}) != len(proposers):
         raise ValueError(f"generate_batch needs one proposer instance per prompt: got {len(proposers)} "
@@ -178,13 +195,13 @@ def generate_batch(target, proposers: list[Proposer], prompts: list[torch.Tensor
     samplings = samplings or [Sampling() for _ in prompts]
     body = decoder_forward(target, prompts[0].device)
     eos = _eos_set(target, eos_token_id)
-    seqs = [_Sequence(target, p, x, max_new_tokens, s, rule, eos, stats, body)
+    seqs = [_Sequence(target, p, x, max_new_tokens, s, rule, eos, stats, body, lockstep)
             for p, x, s in zip(proposers, prompts, samplings, strict=True)]
-    if isinstance(body, LeanForward) and not any(hasattr(p, "target_forward") for p in proposers):
+    if isinstance(body, LeanForward) and not lockstep and not any(hasattr(p, "target_forward") for p in proposers):
         _decode(seqs, body)
     else:
         for seq in seqs:
-            _decode([seq], body)
+            _decode([seq], body, lockstep=lockstep)
     return [seq.done[None] for seq in seqs], stats
 
 
@@ -206,9 +223,11 @@ def _decode(seqs: list[_Sequence], body, compile: bool = False, lockstep: bool =
         queries = [seq.draft() for seq in live]
         t0 = _clock(device)
         outs = _forward(live[0].forward if len(live) == 1 else body, queries)
+        logits = [seq.logits(out) for seq, out in zip(live, outs, strict=True)]
+        LazyLogits.prime(logits)
         share = (_clock(device) - t0) / len(live)  # the shared forward's time, split evenly
-        for seq, out in zip(live, outs, strict=True):
-            seq.commit(out, share)
+        for seq, out, rows in zip(live, outs, logits, strict=True):
+            seq.commit(out, rows, share)
     seqs[0].stats.wall_s += max(seq.end for seq in seqs) - start
     seqs[0].stats.sequences += len(seqs)
 
@@ -270,13 +289,17 @@ class _Sequence:
                                                                     self.dtype),
             cache=self.cache, use_cache=True, output_hidden_states=bool(self.layers))
 
-    def commit(self, out, forward_s: float) -> None:
-        """Verify the tree against the forward's output, commit, roll the cache back; `forward_s`: this sequence's
-        share of the forward's time."""
+    def logits(self, out):
+        """The target's logits over [root, nodes] from the forward's output: rows [V], lazy where it has no head."""
+        if getattr(out, "logits", None) is not None:
+            return out.logits[0]  # [n+1, V]
+        return LazyLogits(self.target, out.last_hidden_state[0], self.head)  # the body's or the hook's hidden states
+
+    def commit(self, out, logits, forward_s: float) -> None:
+        """Verify the tree against the forward's output and `logits`, commit, roll the cache back; `forward_s`: this
+        sequence's share of the forward's time."""
         t1 = _clock(self.device)
         tree, shape, budget = self.tree, self.shape, self.budget
-        logits = out.logits[0] if getattr(out, "logits", None) is not None else LazyLogits(  # [n+1, V] rows
-            self.target, out.last_hidden_state[0], self.head)  # the body's or the hook's hidden states
         path, bonus = verify(tree, logits, self.sampling, self.rule)
         kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
         kv.keep(self.cache, self.cache_len, kept)

@@ -133,7 +133,7 @@ class LeanForward:
         pos = torch.cat([q["position_ids"] for q in queries], 1) if len(queries) > 1 else queries[0]["position_ids"]
         h = body.embed_tokens.forward(ids)  # [1, Q, H], Q = sum q_i
         Q = h.shape[1]
-        masks = [_mask(q["attention_mask"], size, q["cache"].get_seq_length(), h.device)
+        masks = [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device)
                  for q, size in zip(queries, sizes, strict=True)]  # (mask, causal) per sequence
         cos, sin = (x[:, :, None] for x in body.rotary_emb(h, pos))  # [1, Q, 1, d] each
         hidden = [h] if any(q.get("output_hidden_states") for q in queries) else None

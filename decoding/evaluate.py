@@ -139,8 +139,9 @@ def evaluate(target, proposer: Proposer | Callable[[], Proposer], prompts: list[
 
     `proposer`: a proposer, or for `batch` > 1 a function making a fresh one (one per sequence decoded together).
     `batch`: prompts decoded together (`generate_batch`: one target forward verifies all their drafts per round;
-    each rank batches its share); tau, acceptance and the tokens are the batch-1 ones, and the speedup is the one at
-    batch `batch`: the baseline is batched the same way. `baselines` (temperature -> plain-decoding stats): missing
+    each rank batches its share); at T=0 tau, acceptance and the tokens are the batch-1 ones (at T>0 the same
+    distribution; what a proposer learns across sequences, EAGLE's sampled-tree draw rates, it learns per instance),
+    and the speedup is the one at batch `batch`: the baseline is batched the same way. `baselines` (temperature -> plain-decoding stats): missing
     temperatures are measured here and added to the dict, so a caller can reuse them (at the same `batch`).
     `warm_up`: one short decode of the first batch first, untimed, so that the timings exclude what a process's first
     decode pays once (a caller that decoded before may skip it). `sampling` takes top_k / top_p. Returns the first

@@ -3,8 +3,12 @@
     results = evaluate(target, proposer, render_prompts(tokenizer, load_prompts(limit=20)), max_new_tokens=128)
     evaluate_fn = make_checkpoint_evaluator(target, tokenizer, num_prompts=8)   # Loop(..., evaluate=evaluate_fn)
 
-Speedup is wall-clock time per generated token of the target's own decoding (`plain_generate`, the
-same loop with no draft) over that of speculative decoding, on the same prompts in the same process.
+Speedup is wall-clock time per generated token of the target's own decoding (the same loop with no
+draft) over that of speculative decoding, on the same prompts in the same process. With `batch` > 1
+prompts are decoded together (`generate.generate_batch`: one target forward verifies every sequence's
+draft per round), the baseline too: the speedup is then the one at that batch size, while tau, the
+acceptance and the tokens stay the batch-1 ones. The per-checkpoint evaluator decodes all its prompts
+together.
 Greedy equality with `target.generate(do_sample=False)` is checked token by token at temperature 0;
 `greedy_matches_target` is None when it was not checked.
 
@@ -28,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.data.chat import to_messages
-from draftsmith.decoding.generate import plain_generate, speculative_generate
+from draftsmith.decoding.generate import generate_batch
 from draftsmith.decoding.metrics import DecodeStats
-from draftsmith.decoding.proposers import Proposer
+from draftsmith.decoding.proposers import NoDraft, Proposer
 from draftsmith.decoding.verify import Sampling
 
 
@@ -100,51 +104,78 @@ def sharded(shard: Shard):
         _SHARD = previous
 
 
+def _batches(shard: Shard, n: int, batch: int) -> list[list[int | None]]:
+    """This rank's rounds (`Shard.rounds`) in groups of `batch` decoded together (one at a time in lockstep)."""
+    rounds, size = shard.rounds(n), 1 if shard.lockstep else batch
+    return [rounds[k:k + size] for k in range(0, len(rounds), size)]
+
+
+def _decode(target, proposers: list[Proposer], prompts: list[torch.Tensor], chunk: list[int | None],
+            max_new_tokens: int, temperature: float, seed: int, sampling: dict, rule: str, stats: DecodeStats,
+            lockstep: bool) -> list[torch.Tensor]:
+    """One group of prompts (`_batches`) decoded together, prompt i on seed + i; a lockstep round without a prompt
+    (None) decodes prompt 0 and leaves `stats` alone."""
+    outs, _ = generate_batch(target, proposers[:len(chunk)], [prompts[i or 0].to(target.device) for i in chunk],
+                             max_new_tokens, [_seeded(temperature, seed + (i or 0), sampling) for i in chunk], rule,
+                             stats=stats if None not in chunk else None, lockstep=lockstep)
+    return outs
+
+
 def baseline(target, prompts: list[torch.Tensor], max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0, **sampling) -> DecodeStats:
-    """The target's own decoding of the prompts (tau 1), timed; sharded like `evaluate`."""
+             seed: int = 0, batch: int = 1, **sampling) -> DecodeStats:
+    """The target's own decoding of the prompts (tau 1), timed; sharded and batched like `evaluate`."""
     stats, shard = DecodeStats(), _SHARD
-    for i in shard.rounds(len(prompts)):
-        plain_generate(target, prompts[i or 0].to(target.device), max_new_tokens,
-                       _seeded(temperature, seed + (i or 0), sampling), stats=stats if i is not None else None,
-                       lockstep=shard.lockstep)
+    for chunk in _batches(shard, len(prompts), batch):
+        _decode(target, [NoDraft() for _ in chunk], prompts, chunk, max_new_tokens, temperature, seed, sampling,
+                "auto", stats, shard.lockstep)
     return shard.gather(stats, True)[0]
 
 
-def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_tokens: int = 128,
-             temperatures: tuple[float, ...] = (0.0,), rule: str = "auto", check_greedy: bool = True,
-             baselines: dict[float, DecodeStats] | None = None, seed: int = 0, warm_up: bool = True,
-             **sampling) -> dict:
+def evaluate(target, proposer: Proposer | Callable[[], Proposer], prompts: list[torch.Tensor],
+             max_new_tokens: int = 128, temperatures: tuple[float, ...] = (0.0,), rule: str = "auto",
+             check_greedy: bool = True, baselines: dict[float, DecodeStats] | None = None, seed: int = 0,
+             warm_up: bool = True, batch: int = 1, **sampling) -> dict:
     """Decode every prompt at every temperature; tau, acceptance, speedup and greedy equality.
 
-    `baselines` (temperature -> plain-decoding stats): missing temperatures are measured here and
-    added to the dict, so a caller can reuse them. `warm_up`: one short decode first, untimed, so that the
-    timings exclude what a process's first decode pays once (a caller that decoded before may skip it). `sampling`
-    takes top_k / top_p. Returns the first temperature's figures at the top level and all of them
-    under `by_temperature`.
+    `proposer`: a proposer, or for `batch` > 1 a function making a fresh one (one per sequence decoded together).
+    `batch`: prompts decoded together (`generate_batch`: one target forward verifies all their drafts per round;
+    each rank batches its share); at T=0 tau, acceptance and the tokens are the batch-1 ones (at T>0 the same
+    distribution; what a proposer learns across sequences, EAGLE's sampled-tree draw rates, it learns per instance),
+    and the speedup is the one at batch `batch`: the baseline is batched the same way. `baselines` (temperature -> plain-decoding stats): missing
+    temperatures are measured here and added to the dict, so a caller can reuse them (at the same `batch`).
+    `warm_up`: one short decode of the first batch first, untimed, so that the timings exclude what a process's first
+    decode pays once (a caller that decoded before may skip it). `sampling` takes top_k / top_p. Returns the first
+    temperature's figures at the top level and all of them under `by_temperature`.
     """
     start = time.perf_counter()
     target.eval()
     shard = _SHARD
     baselines = {} if baselines is None else baselines
+    if isinstance(proposer, Proposer):
+        if batch > 1:
+            raise ValueError(f"evaluate with batch={batch} needs a function making a fresh proposer per sequence "
+                             "(proposers keep per-sequence state), not one proposer")
+        proposers = [proposer]
+    else:
+        proposers = [proposer() for _ in range(1 if shard.lockstep else batch)]
+    first = list(range(min(len(proposers), len(prompts))))
     if warm_up:
-        speculative_generate(target, proposer, prompts[0].to(target.device), 4, lockstep=shard.lockstep)
+        _decode(target, proposers, prompts, first, 4, 0.0, seed, sampling, rule, DecodeStats(), shard.lockstep)
     by_t = {}
     for temperature in temperatures:
         stats, matches = DecodeStats(), True
-        for i in shard.rounds(len(prompts)):
-            x = prompts[i or 0].to(target.device)
-            out, _ = speculative_generate(target, proposer, x, max_new_tokens,
-                                          _seeded(temperature, seed + (i or 0), sampling), rule,
-                                          stats=stats if i is not None else None, lockstep=shard.lockstep)
+        for chunk in _batches(shard, len(prompts), batch):
+            outs = _decode(target, proposers, prompts, chunk, max_new_tokens, temperature, seed, sampling, rule,
+                           stats, shard.lockstep)
             if check_greedy and temperature == 0:
-                with torch.no_grad():
-                    ref = target.generate(x, max_new_tokens=max_new_tokens, do_sample=False,
-                                          synced_gpus=shard.lockstep)
-                matches &= i is None or torch.equal(out, ref)
+                for i, out in zip(chunk, outs, strict=True):
+                    with torch.no_grad():
+                        ref = target.generate(prompts[i or 0].to(target.device), max_new_tokens=max_new_tokens,
+                                              do_sample=False, synced_gpus=shard.lockstep)
+                    matches &= i is None or torch.equal(out, ref)
         stats, matches = shard.gather(stats, matches)
         if temperature not in baselines:
-            baselines[temperature] = baseline(target, prompts, max_new_tokens, temperature, seed, **sampling)
+            baselines[temperature] = baseline(target, prompts, max_new_tokens, temperature, seed, batch, **sampling)
         base = baselines[temperature]
         by_t[f"{temperature:g}"] = {
             **stats.summary(),
@@ -152,11 +183,11 @@ def evaluate(target, proposer: Proposer, prompts: list[torch.Tensor], max_new_to
             "baseline_wall_s": base.wall_s,
             "greedy_matches_target": matches if check_greedy and temperature == 0 else None,
         }
-    first = by_t[f"{temperatures[0]:g}"]
-    return {**first, "by_temperature": by_t, "eval_seconds": time.perf_counter() - start,
+    first_t = by_t[f"{temperatures[0]:g}"]
+    return {**first_t, "by_temperature": by_t, "eval_seconds": time.perf_counter() - start,
             "settings": {"max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "rule": rule,
                          "lossy": rule == "typical", "num_prompts": len(prompts), "seed": seed,
-                         "ranks": shard.world, **sampling}}
+                         "ranks": shard.world, "batch": batch, **sampling}}
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
@@ -187,8 +218,9 @@ def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = No
 
     Prompts default to the reference target's held-out set; the first `num_prompts` are used (the
     evaluation's cost scales with num_prompts x max_new_tokens x len(temperatures); `eval_seconds`
-    reports it). The plain-decoding baseline for speedup is timed, and the warm-up decode run, once, at the first
-    call. Use
+    reports it). All of a rank's prompts are decoded together (`evaluate(batch=num_prompts)`: one target forward
+    verifies every sequence's draft per round), so `speedup` is the one at that batch size; tau is the batch-1 one.
+    The plain-decoding baseline for speedup is timed, and the warm-up decode run, once, at the first call. Use
     `tau` as `loop.best_metric` (mode max).
     """
     from draftsmith.data.reference import load_prompts
@@ -200,8 +232,9 @@ def make_checkpoint_evaluator(target, tokenizer, prompts: list[dict] | None = No
     def evaluate_checkpoint(method_module: torch.nn.Module, step: int) -> dict:
         was_training = method_module.training
         method_module.eval()
-        results = evaluate(target, method_module.proposer(target, **(proposer_kwargs or {})), ids, max_new_tokens,
-                           temperatures, rule, check_greedy, baselines, warm_up=not baselines)  # warm after the first
+        results = evaluate(target, lambda: method_module.proposer(target, **(proposer_kwargs or {})), ids,
+                           max_new_tokens, temperatures, rule, check_greedy, baselines,
+                           warm_up=not baselines, batch=len(ids))  # warm after the first
         method_module.train(was_training)
         return flat_metrics(results)
 

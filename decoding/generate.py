@@ -5,7 +5,9 @@
 Any Hugging Face causal LM works as the target: the tree is scored through the model's normal
 forward with a 4-D additive mask (a dict of masks per layer type for models with sliding-window
 layers) and explicit position ids; on a CPU, covered architectures run the same modules through
-`lean.LeanForward`, without Hugging Face's per-forward machinery (`decoder_forward`). Batch size 1.
+`lean.LeanForward`, without Hugging Face's per-forward machinery (`decoder_forward`). Batch size 1:
+`generate_batch` decodes several prompts in rounds whose verifications share one target forward, each
+sequence otherwise exactly as alone (one per-sequence step, `_Sequence`, serves both).
 
 Counting (the EAGLE / Medusa / Spec-Bench convention): the prompt's last token is not prefilled
 but fed as the root of the first verification, so every target forward after the prefill is a
@@ -91,8 +93,24 @@ class LazyLogits:
         return self.hidden.shape[0]
 
     def _logits(self, lo: int, hi: int) -> torch.Tensor:
-        logits = self.head(self.hidden[lo:hi])  # [hi-lo, V]
+        return self._apply(self.hidden[lo:hi])  # [hi-lo, V]
+
+    def _apply(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)  # [k, V]
         return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+    @staticmethod
+    def prime(logits: list) -> None:
+        """The first block of several sequences' lazy logits (rows [0, 2): what every accept rule's first access
+        computes) in one matmul, so that a batch reads the head once rather than once per sequence. Other entries
+        (a model's own logits) are left alone."""
+        lazy = [x for x in logits if isinstance(x, LazyLogits)]
+        if not lazy:
+            return
+        blocks = [x.hidden[:2] for x in lazy]  # [<=2, H] each
+        rows = lazy[0]._apply(torch.cat(blocks) if len(blocks) > 1 else blocks[0])  # [sum, V]
+        for x, part in zip(lazy, rows.split([b.shape[0] for b in blocks]), strict=True):
+            x.rows.update(enumerate(part))
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self.rows:
@@ -147,71 +165,164 @@ def speculative_generate(target, proposer: Proposer, input_ids: torch.Tensor, ma
     target's logits are computed lazily along the accepted path (`LazyLogits`); on an accelerator
     the head runs over all rows at once and greedy acceptance reads one argmax vector.
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
-    sampling = sampling or Sampling()
     stats = stats or DecodeStats()
-    device, dtype = input_ids.device, target.dtype
-    eos, layers = _eos_set(target, eos_token_id), list(proposer.hidden_layers)
-    ids = input_ids[0]  # [t] committed tokens
+    body = decoder_forward(target, input_ids.device, compile)
+    seq = _Sequence(target, proposer, input_ids, max_new_tokens, sampling, rule, _eos_set(target, eos_token_id),
+                    stats, body, lockstep)
+    _decode([seq], body, compile, lockstep)
+    return seq.done[None], stats
+
+
+@torch.no_grad()
+def generate_batch(target, proposers: list[Proposer], prompts: list[torch.Tensor], max_new_tokens: int,
+                   samplings: list[Sampling] | None = None, rule: str = "auto", eos_token_id=None,
+                   stats: DecodeStats | None = None, lockstep: bool = False) -> tuple[list[torch.Tensor], DecodeStats]:
+    """`speculative_generate` of several prompts [1, L_i] at once, prompt i drafted by proposers[i] (one instance per
+    sequence: proposers keep per-sequence state) with samplings[i]; returns (tokens [1, L_i + new_i] each, stats).
+
+    In rounds: every unfinished sequence drafts (one after the other), then ONE target forward verifies all their
+    trees (`LeanForward.ragged`: no padding, so each sequence's tokens and statistics are its batch-1 decode's up to
+    float rounding), then each sequence verifies, commits and rolls back its own cache; the prefills are one forward
+    too, and so are the head's first rows of every sequence (`LazyLogits.prime`). stats.wall_s grows by the batch's
+    wall time, once. Where the target's forward cannot be shared (not covered by decoding/lean.py, an accelerator, a
+    proposer with the `target_forward` hook) or must run in `lockstep` (as in `speculative_generate`: a sharded
+    target) the prompts are decoded one after the other, each as `speculative_generate` would.
+    """
+    if len(proposers) != len(prompts) or len({id(p) for p in proposers}) != len(proposers):
+        raise ValueError(f"generate_batch needs one proposer instance per prompt: got {len(proposers)} "
+                         f"({len({id(p) for p in proposers})} distinct) for {len(prompts)} prompts")
+    stats = stats or DecodeStats()
+    samplings = samplings or [Sampling() for _ in prompts]
+    body = decoder_forward(target, prompts[0].device)
+    eos = _eos_set(target, eos_token_id)
+    seqs = [_Sequence(target, p, x, max_new_tokens, s, rule, eos, stats, body, lockstep)
+            for p, x, s in zip(proposers, prompts, samplings, strict=True)]
+    if isinstance(body, LeanForward) and not lockstep and not any(hasattr(p, "target_forward") for p in proposers):
+        _decode(seqs, body)
+    else:
+        for seq in seqs:
+            _decode([seq], body, lockstep=lockstep)
+    return [seq.done[None] for seq in seqs], stats
+
+
+def _decode(seqs: list[_Sequence], body, compile: bool = False, lockstep: bool = False) -> None:
+    """The decode loop over sequences whose forwards `body` can share (`LeanForward.ragged`) or over one sequence."""
+    device = seqs[0].device
     start = _clock(device)
-    cache = kv.new_cache()
-    body = decoder_forward(target, device, compile)
-    head = lm_head(target, body)
-    prefill = None
-    if ids.numel() > 1:
-        prefill = body(input_ids=ids[None, :-1], position_ids=torch.arange(ids.numel() - 1, device=device)[None],
-                       cache=cache, use_cache=True, output_hidden_states=bool(layers))
-    proposer.reset()
-    hook = getattr(proposer, "target_forward", None)  # optional, see the module docstring
-    forward = (hook(cache) if hook else None) or body
-    forward = compiled(forward) if compile else forward
-    proposer.accept(ids, Verified(None, [], None, _hidden(prefill, layers)))
-    new, stopped, done, end = 0, False, None, start  # done: the output once this sequence is finished
+    prefills = [seq for seq in seqs if seq.ids.numel() > 1]
+    outs = dict(zip(map(id, prefills), _forward(body, [seq.prefill() for seq in prefills]), strict=True))
+    for seq in seqs:
+        seq.start(outs.get(id(seq)), compile)
     while True:
-        if done is None and (new >= max_new_tokens or stopped):
-            done, end = ids, _clock(device)
-        if (done is not None) if not lockstep else _all_ranks(done is not None, device):
+        for seq in seqs:
+            seq.check_done()
+        finished = all(seq.done is not None for seq in seqs)
+        if finished if not lockstep else _all_ranks(finished, device):
             break
-        budget = max_new_tokens - new if done is None else max_new_tokens  # a lockstep step after the end: any
-        cache_len = cache.get_seq_length()  # before drafting, which may extend the early layers
+        live = [seq for seq in seqs if seq.done is None or lockstep]
+        queries = [seq.draft() for seq in live]
         t0 = _clock(device)
-        tree = proposer.propose(ids, sampling).truncate(budget - 1).to(device)
-        t1 = _clock(device)
-        tokens = torch.cat([ids[-1:], tree.tokens])[None]  # [1, n+1]: root, nodes
-        shape = layout(tree.parents)
-        out = forward(  # a chain needs no tree mask: the model's causal one
-            input_ids=tokens, position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
-            attention_mask=None if shape.chain else attention_masks(target.config, tree.parents, cache_len, dtype),
-            cache=cache, use_cache=True, output_hidden_states=bool(layers))
-        logits = out.logits[0] if getattr(out, "logits", None) is not None else LazyLogits(  # [n+1, V] rows
-            target, out.last_hidden_state[0], head)  # the body's or the hook's hidden states
-        path, bonus = verify(tree, logits, sampling, rule)
+        outs = _forward(live[0].forward if len(live) == 1 else body, queries)
+        logits = [seq.logits(out) for seq, out in zip(live, outs, strict=True)]
+        LazyLogits.prime(logits)
+        share = (_clock(device) - t0) / len(live)  # the shared forward's time, split evenly
+        for seq, out, rows in zip(live, outs, logits, strict=True):
+            seq.commit(out, rows, share)
+    seqs[0].stats.wall_s += max(seq.end for seq in seqs) - start
+    seqs[0].stats.sequences += len(seqs)
+
+
+def _forward(forward, queries: list[dict]) -> list:
+    """One forward over every query: the forward itself for one, `LeanForward.ragged` for several."""
+    if len(queries) > 1:
+        return forward.ragged(queries)
+    return [forward(**q) for q in queries]
+
+
+class _Sequence:
+    """One sequence of the decode loop (`_decode`): its state, and each step split around the target's forward
+    (`draft` returns the forward's keyword arguments, `commit` takes its output), so that one forward may verify
+    several sequences' trees."""
+
+    def __init__(self, target, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
+                 sampling: Sampling | None, rule: str, eos: set[int], stats: DecodeStats, body, lockstep: bool = False):
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
+        self.target, self.proposer, self.max_new_tokens, self.rule, self.eos = target, proposer, max_new_tokens, rule, eos
+        self.sampling, self.stats, self.forward, self.lockstep = sampling or Sampling(), stats, body, lockstep
+        self.device, self.dtype, self.layers = input_ids.device, target.dtype, list(proposer.hidden_layers)
+        self.head = lm_head(target, body)
+        self.ids = input_ids[0]  # [t] committed tokens
+        self.cache = kv.new_cache()
+        self.new, self.stopped, self.done, self.end = 0, False, None, None  # done: the output once finished
+
+    def prefill(self) -> dict:
+        """The forward's arguments for the prompt but its last token (which is the first verification's root)."""
+        ids = self.ids
+        return dict(input_ids=ids[None, :-1], position_ids=torch.arange(ids.numel() - 1, device=self.device)[None],
+                    cache=self.cache, use_cache=True, output_hidden_states=bool(self.layers))
+
+    def start(self, prefill, compile: bool) -> None:
+        """After the prefill (its output, None for a one-token prompt): the proposer's new sequence begins."""
+        self.proposer.reset()
+        hook = getattr(self.proposer, "target_forward", None)  # optional, see the module docstring
+        self.forward = (hook(self.cache) if hook else None) or self.forward
+        self.forward = compiled(self.forward) if compile else self.forward
+        self.proposer.accept(self.ids, Verified(None, [], None, _hidden(prefill, self.layers)))
+
+    def check_done(self) -> None:
+        if self.done is None and (self.new >= self.max_new_tokens or self.stopped):
+            self.done, self.end = self.ids, _clock(self.device)
+
+    def draft(self) -> dict:
+        """Draft a tree; the verifying forward's arguments."""
+        self.budget = self.max_new_tokens - self.new if self.done is None else self.max_new_tokens  # lockstep: any
+        self.cache_len = cache_len = self.cache.get_seq_length()  # before drafting, which may extend early layers
+        t0 = _clock(self.device)
+        self.tree = tree = self.proposer.propose(self.ids, self.sampling).truncate(self.budget - 1).to(self.device)
+        self.drafter_s = _clock(self.device) - t0
+        self.shape = shape = layout(tree.parents)
+        return dict(  # a chain needs no tree mask: the model's causal one
+            input_ids=torch.cat([self.ids[-1:], tree.tokens])[None],  # [1, n+1]: root, nodes
+            position_ids=(cache_len + shape.depth)[None],  # [1, n+1]
+            attention_mask=None if shape.chain else attention_masks(self.target.config, tree.parents, cache_len,
+                                                                    self.dtype),
+            cache=self.cache, use_cache=True, output_hidden_states=bool(self.layers))
+
+    def logits(self, out):
+        """The target's logits over [root, nodes] from the forward's output: rows [V], lazy where it has no head."""
+        if getattr(out, "logits", None) is not None:
+            return out.logits[0]  # [n+1, V]
+        return LazyLogits(self.target, out.last_hidden_state[0], self.head)  # the body's or the hook's hidden states
+
+    def commit(self, out, logits, forward_s: float) -> None:
+        """Verify the tree against the forward's output and `logits`, commit, roll the cache back; `forward_s`: this
+        sequence's share of the forward's time."""
+        t1 = _clock(self.device)
+        tree, shape, budget = self.tree, self.shape, self.budget
+        path, bonus = verify(tree, logits, self.sampling, self.rule)
         kept = [0] + [i + 1 for i in path]  # root + accepted nodes, as offsets after cache_len
-        kv.keep(cache, cache_len, kept)
+        kv.keep(self.cache, self.cache_len, kept)
         committed = tree.tokens[path].tolist() + [bonus]
         for j, tok in enumerate(committed):
-            if tok in eos:
+            if tok in self.eos:
                 committed = committed[: j + 1]
                 break
         committed = committed[:budget]
-        t2 = _clock(device)
-        ids = torch.cat([ids, torch.tensor(committed, dtype=ids.dtype, device=device)])
-        if done is None:
-            new, stopped = new + len(committed), committed[-1] in eos
+        t2 = _clock(self.device)
+        self.ids = torch.cat([self.ids, torch.tensor(committed, dtype=self.ids.dtype, device=self.device)])
+        if self.done is None:
+            self.new, self.stopped = self.new + len(committed), committed[-1] in self.eos
             offered = len(path) + int(bool(shape.kids[path[-1] + 1 if path else 0]))  # + 1 if the path went on
-            stats.record(offered=offered, drafted=len(tree),
-                         accepted=len(path), committed=len(committed), drafter_s=t1 - t0, target_s=t2 - t1)
-        if stopped and not lockstep:
-            continue  # EOS: no drafting state is needed any more
-        t3 = _clock(device)
-        hidden = _hidden(out, layers)
-        proposer.accept(ids, Verified(tree, path, logits, None if hidden is None else hidden[:, kept]))
-        if done is None:
-            stats.drafter_s += _clock(device) - t3
-    stats.wall_s += end - start
-    stats.sequences += 1
-    return done[None], stats
+            self.stats.record(offered=offered, drafted=len(tree), accepted=len(path), committed=len(committed),
+                              drafter_s=self.drafter_s, target_s=forward_s + t2 - t1)
+        if self.stopped and not self.lockstep:
+            return  # EOS: no drafting state is needed any more
+        t3 = _clock(self.device)
+        hidden = _hidden(out, self.layers)
+        self.proposer.accept(self.ids, Verified(tree, path, logits, None if hidden is None else hidden[:, kept]))
+        if self.done is None:
+            self.stats.drafter_s += _clock(self.device) - t3
 
 
 def _all_ranks(flag: bool, device: torch.device) -> bool:

@@ -25,6 +25,7 @@ entry i is the input to layer i, the last one the output after the final norm.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from types import SimpleNamespace
 
@@ -116,28 +117,42 @@ class LeanForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
                  output_hidden_states: bool = False, **_) -> SimpleNamespace:
+        return self.ragged([dict(input_ids=input_ids, position_ids=position_ids, cache=cache,
+                                 attention_mask=attention_mask, output_hidden_states=output_hidden_states)])[0]
+
+    def ragged(self, queries: list[dict]) -> list[SimpleNamespace]:
+        """Several sequences' forwards as one: each query holds `__call__`'s keyword arguments for one sequence (its
+        own tokens [1, q_i], positions, mask and cache). Embedding, projections, MLP and norms run once over the
+        concatenated tokens [1, sum q_i, H] (the weights are read once), attention per sequence against its own
+        cache; no padding, so each sequence's result is its own forward's up to float rounding. One output per
+        query, as `__call__` returns it."""
         body = self.body
-        h = body.embed_tokens.forward(input_ids)  # [1, q, H]
-        q, past = input_ids.shape[1], cache.get_seq_length()
-        if isinstance(attention_mask, dict):  # one entry per layer type: all full attention here
-            attention_mask = attention_mask["full_attention"]
-        if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
-            attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=h.device).tril(past)[None, None]
-        causal = attention_mask is None and q > 1  # a prefill
-        cos, sin = (x[:, :, None] for x in body.rotary_emb(h, position_ids))  # [1, q, 1, d] each
-        hidden = [h] if output_hidden_states else None
+        sizes = [q["input_ids"].shape[1] for q in queries]
+        spans = [slice(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
+        ids = torch.cat([q["input_ids"] for q in queries], 1) if len(queries) > 1 else queries[0]["input_ids"]
+        pos = torch.cat([q["position_ids"] for q in queries], 1) if len(queries) > 1 else queries[0]["position_ids"]
+        h = body.embed_tokens.forward(ids)  # [1, Q, H], Q = sum q_i
+        Q = h.shape[1]
+        masks = [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device)
+                 for q, size in zip(queries, sizes, strict=True)]  # (mask, causal) per sequence
+        cos, sin = (x[:, :, None] for x in body.rotary_emb(h, pos))  # [1, Q, 1, d] each
+        hidden = [h] if any(q.get("output_hidden_states") for q in queries) else None
         for layer_idx, layer in enumerate(self.layers):
             norm_1, qkv, (n_q, n_kv, d), qk_norm, scaling, o_proj, norm_2, gate_up, act, down_proj = layer
-            x = qkv(norm_1(h)).view(1, q, n_q + 2 * n_kv, d)  # [1, q, heads: q | k | v, d]
+            x = qkv(norm_1(h)).view(1, Q, n_q + 2 * n_kv, d)  # [1, Q, heads: q | k | v, d]
             if qk_norm:  # Qwen3: RMSNorm per head before the rotary embedding
                 qs, ks = (_rotate(norm(x[:, :, part]), cos, sin)
                           for norm, part in zip(qk_norm, (slice(0, n_q), slice(n_q, -n_kv)), strict=True))
             else:
                 qs, ks = _rotate(x[:, :, :-n_kv], cos, sin).split((n_q, n_kv), 2)
-            ks, vs = cache.update(ks.transpose(1, 2), x[:, :, -n_kv:].transpose(1, 2), layer_idx)  # [1, kv, past+q, d]
-            o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks, vs, attn_mask=attention_mask, scale=scaling,
-                                               is_causal=causal, enable_gqa=n_q != n_kv)  # [1, heads, q, d]
-            h = h + o_proj(o.transpose(1, 2).reshape(1, q, -1))
+            vs = x[:, :, -n_kv:]
+            o = []
+            for span, q, (mask, causal) in zip(spans, queries, masks, strict=True):
+                k_i, v_i = q["cache"].update(ks[:, span].transpose(1, 2), vs[:, span].transpose(1, 2), layer_idx)
+                o.append(F.scaled_dot_product_attention(  # [1, heads, q_i, d] against [1, kv, past_i + q_i, d]
+                    qs[:, span].transpose(1, 2), k_i, v_i, attn_mask=mask, scale=scaling, is_causal=causal,
+                    enable_gqa=n_q != n_kv).transpose(1, 2))
+            h = h + o_proj((torch.cat(o, 1) if len(o) > 1 else o[0]).reshape(1, Q, -1))
             g, u = gate_up(norm_2(h)).chunk(2, -1)
             h = h + down_proj(act(g) * u)
             if hidden is not None:
@@ -145,4 +160,15 @@ class LeanForward:
         h = self.norm(h)
         if hidden is not None:
             hidden[-1] = h
-        return SimpleNamespace(last_hidden_state=h, hidden_states=hidden)
+        return [SimpleNamespace(last_hidden_state=h[:, span],
+                                hidden_states=[x[:, span] for x in hidden] if q.get("output_hidden_states") else None)
+                for span, q in zip(spans, queries, strict=True)]
+
+
+def _mask(attention_mask, q: int, past: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """One sequence's attention mask for `scaled_dot_product_attention`, and whether it is plain causal (a prefill)."""
+    if isinstance(attention_mask, dict):  # one entry per layer type: all full attention here
+        attention_mask = attention_mask["full_attention"]
+    if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
+        attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=device).tril(past)[None, None]
+    return attention_mask, attention_mask is None and q > 1

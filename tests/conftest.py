@@ -87,10 +87,11 @@ def train_steps(method: torch.nn.Module, loss_fn, batch: dict, steps: int = 200,
     return metrics
 
 
-def chi2_two_tokens(model, proposer, trials: int = 1500) -> tuple[float, float]:
+def chi2_two_tokens(model, proposer, trials: int = 1500, batch: int = 1) -> tuple[float, float]:
     """Sample two tokens after a fixed prompt `trials` times through speculative decoding at T=1: the chi-square
-    statistic of their counts against the target's exact joint distribution, and its 1e-3 critical value."""
-    from draftsmith.decoding.generate import speculative_generate
+    statistic of their counts against the target's exact joint distribution, and its 1e-3 critical value. With
+    `batch` > 1, `proposer` makes a fresh proposer and `batch` samples are decoded together (`generate_batch`)."""
+    from draftsmith.decoding.generate import generate_batch, speculative_generate
     from draftsmith.decoding.verify import Sampling
 
     vocab = model.config.vocab_size
@@ -102,9 +103,12 @@ def chi2_two_tokens(model, proposer, trials: int = 1500) -> tuple[float, float]:
     expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(vocab * vocab)
-    for _ in range(trials):
-        out, _ = speculative_generate(model, proposer, prompt, 2, Sampling(temperature=1.0, generator=g),
-                                      eos_token_id=[])
-        counts[out[0, 3] * vocab + out[0, 4]] += 1
+    for _ in range(trials // batch):
+        sampling = Sampling(temperature=1.0, generator=g)
+        outs = [speculative_generate(model, proposer, prompt, 2, sampling, eos_token_id=[])[0]] if batch == 1 else \
+            generate_batch(model, [proposer() for _ in range(batch)], [prompt] * batch, 2, [sampling] * batch,
+                           eos_token_id=[])[0]
+        for out in outs:
+            counts[out[0, 3] * vocab + out[0, 4]] += 1
     dof = vocab * vocab - 1
     return float(((counts - expected) ** 2 / expected).sum()), dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3

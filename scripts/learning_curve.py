@@ -1,6 +1,7 @@
 """The learning curve of an EAGLE run: tau by real speculative decoding (chain and tree, T=0 and T=1) of every
 checkpoint against the training tokens it had seen, beside the held-out step-0 acceptance its checkpoint evaluation
-logged (metrics.jsonl); a table (JSON) and one plot.
+logged (metrics.jsonl); a table (JSON) and one plot. All prompts of a checkpoint are decoded together
+(`evaluate(batch=...)`: at T=0 the batch-1 tau).
 
     python scripts/learning_curve.py --run runs/eagle3-smollm2-long --num-prompts 8 --max-new-tokens 64 \
         --out benchmarks/learning_curve_smollm2.json --plot benchmarks/learning_curve_smollm2.png
@@ -29,6 +30,7 @@ from draftsmith.data.core import checkpoints
 from draftsmith.data.prompts import kinds_in_turn
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
+from draftsmith.models.eagle_proposer import EagleProposer
 from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import load_target
 from draftsmith.train.config import shipped
@@ -120,10 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
     for ckpt in todo:
         step, t0 = int(ckpt.name.split("-")[1]), time.perf_counter()
         row = {"step": step, "train_tokens": step * positions}
+        first = load_proposer(str(ckpt / "model"), target.model)
         for mode in MODES:
-            proposer = load_proposer(str(ckpt / "model"), target.model, mode=mode)
+            def proposer(mode=mode, first=first) -> EagleProposer:  # a fresh one per sequence, one drafter
+                return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, mode=mode)
             r = evaluate(target.model, proposer, prompts, args.max_new_tokens, TEMPERATURES, check_greedy=False,
-                         baselines=baselines)
+                         baselines=baselines, batch=len(prompts))
             for t, fig in r["by_temperature"].items():
                 row[f"tau_{mode}_t{t}"] = round(fig["tau"], 4)
         row["seconds"] = round(time.perf_counter() - t0, 1)  # this curve's decoding of the checkpoint

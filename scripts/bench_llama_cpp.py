@@ -16,6 +16,13 @@ the outputs. Beside each drafter: our decoder's tau and acceptance by position o
 draft length (chain), same temperatures, in float32. llama.cpp verifies a sampled draft by sampling the target
 and matching (lossless, lower acceptance than the rejection sampling our decoder uses), so at T > 0 the two
 taus measure different rules; at T = 0 they should agree. Servers are stopped when each run ends.
+
+The T = 0 comparison is like for like for every kind llama.cpp serves (EAGLE-3 as draft-eagle3, a distilled draft
+model as draft-simple, DFlash as draft-dflash): llama.cpp drafts the drafter's argmax, `--spec-draft-n-max` tokens
+every step (its p_min, which would stop a draft early, defaults to 0; draft-dflash caps the draft at block_size - 1,
+which --draft-n = block_size - 1 meets), each draft cut to the tokens still to generate, as our chain of --draft-n
+does. Its acceptance length pools over the steps that drafted; its first new token comes from the prompt's
+prefill, undrafted, where our first step verifies a draft: one step per prompt apart, a small share of the steps.
 """
 
 from __future__ import annotations

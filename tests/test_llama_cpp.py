@@ -1,6 +1,7 @@
-"""llama.cpp (models/llama_cpp.py): a tiny target and a tiny EAGLE-3 drafter through llama.cpp's own converter, the
-GGUF reading the layers the drafter was trained on, the refusals, and (slow) serving them through llama-server with
-greedy output equal to the target's alone. Skipped, saying why, where llama.cpp is absent: nothing is downloaded."""
+"""llama.cpp (models/llama_cpp.py): a tiny target and tiny drafters through llama.cpp's own converter, the GGUF reading
+the layers the drafter was trained on, the refusals, and (slow) serving each kind llama.cpp serves (EAGLE-3, a draft
+model, DFlash) through llama-server: greedy output equal to the target's alone, acceptance length equal to our
+decoder's tau. Skipped, saying why, where llama.cpp is absent: nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from draftsmith.decoding.generate import speculative_generate
+from draftsmith.decoding.metrics import DecodeStats
+from draftsmith.decoding.verify import Sampling
 from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
 from draftsmith.models.dflash import DFlash, DFlashConfig
+from draftsmith.models.distill import Distill, DistillConfig, build_draft
 from draftsmith.models.eagle import Eagle
 from draftsmith.models.eagle_config import EagleConfig
 from draftsmith.models.target import Target
@@ -129,17 +134,41 @@ def test_without_llama_cpp_the_gguf_export_says_how_to_get_it(target, tmp_path, 
     assert not (tmp_path / "gguf").exists()
 
 
+def served_drafter(kind: str, target: Target, out: Path) -> Path:
+    """A tiny drafter of each kind llama.cpp serves: EAGLE-3 (random), a draft model (the target's first 2 layers),
+    DFlash (random)."""
+    if kind == "eagle3":
+        return drafter_dir(target, out)
+    torch.manual_seed(1)
+    if kind == "distill":
+        cfg = DistillConfig(layers=2, gamma=3)
+        Distill(target, build_draft(target, cfg), cfg).save_pretrained(out)
+    else:
+        DFlash(target, DFlashConfig(block_size=4, aux_layers=[2, 4]), mask_token_id=3).save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
 @NEEDS_SERVER
-def test_served_by_llama_server_the_drafter_leaves_greedy_output_unchanged(target, tmp_path):
+@pytest.mark.parametrize("kind, spec_type", [("eagle3", "draft-eagle3"), ("distill", "draft-simple"),
+                                             ("dflash", "draft-dflash")])
+def test_served_by_llama_server_each_drafter_leaves_greedy_output_unchanged_and_accepts_as_ours(
+        kind, spec_type, target, tmp_path):
     model = llama_cpp.convert(target.path, tmp_path / "target.gguf", "f32")
-    draft = R.export(drafter_dir(target, tmp_path / "run"), "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
+    run = served_drafter(kind, target, tmp_path / "run")
+    draft = R.export(run, "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
     prompts = [[1, *torch.randint(3, 280, (12,), generator=torch.Generator().manual_seed(i)).tolist()]
                for i in range(4)]
     with llama_cpp.Server(model, threads=2, ctx=256) as plain:
         want = [plain.complete(p, 24, temperature=0.0)["tokens"] for p in prompts]
-    with llama_cpp.Server(model, ["--spec-type", "draft-eagle3", "-md", str(draft), "--spec-draft-n-max", "3"],
-                threads=2, ctx=256) as spec:
+    with llama_cpp.Server(model, ["--spec-type", spec_type, "-md", str(draft), "--spec-draft-n-max", "3"],
+                          threads=2, ctx=256) as spec:
         runs = [spec.complete(p, 24, temperature=0.0) for p in prompts]
     assert [r["tokens"] for r in runs] == want
-    assert sum(r["verify_steps"] for r in runs) > 0  # the drafter was used
+    steps = sum(r["verify_steps"] for r in runs)
+    assert steps > 0  # the drafter was used
+    stats, proposer = DecodeStats(), R.load_proposer(str(run), target.model, gamma=3)
+    for p in prompts:
+        speculative_generate(target.model, proposer, torch.tensor([p]), 24, Sampling(0.0), stats=stats)
+    # llama.cpp's acceptance length (1 + accepted / drafting steps) against our tau, same drafter and draft length
+    assert 1 + sum(r["accepted"] for r in runs) / steps == pytest.approx(stats.tau, rel=0.05)

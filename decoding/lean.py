@@ -19,7 +19,8 @@ over 2. The copies (about the model's size again) are built once per model and r
 changes (an optimizer step, a loaded state dict). A projection that is not a plain `nn.Linear` (a LoRA layer)
 is called as a module instead. Covered: Llama, Mistral, Qwen2 and Qwen3 with full attention in every layer (no
 sliding window), sdpa attention, and no forward hooks in the model (FSDP, DeepSpeed ZeRO-3 gather their shards
-in hooks); anything else keeps the model's own forward. `hidden_states` follows Hugging Face's convention:
+in hooks) but transformers' own output capture (installed by the first forward with `output_hidden_states`, as
+EAGLE's feature extraction runs; it records a module's output only inside the model's own forward); anything else keeps the model's own forward. `hidden_states` follows Hugging Face's convention:
 entry i is the input to layer i, the last one the output after the final norm.
 """
 
@@ -50,13 +51,18 @@ def lean_forward(target) -> LeanForward | None:
         return None
     if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "rotary_emb", "norm")):
         return None  # not the transformers layout this was read from
-    if any(m._forward_pre_hooks or m._forward_hooks for m in target.modules()):
+    if any(_foreign(m._forward_pre_hooks) or _foreign(m._forward_hooks) for m in target.modules()):
         return None
     version = [(id(p), p._version) for p in target.parameters()]
     cached = _BUILT.get(target)
     if cached is None or cached[0] != version:
         _BUILT[target] = cached = version, LeanForward(target)
     return cached[1]
+
+
+def _foreign(hooks: dict) -> bool:
+    """Whether `hooks` holds any hook but transformers' output capture (module docstring)."""
+    return any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks.values())
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> (its parameters' versions, LeanForward)
@@ -100,7 +106,7 @@ class Fused:
 
 class LeanForward:
     """The body of a covered target (module docstring): the same keyword arguments as its `base_model`. Modules
-    run through their `forward`, skipping `nn.Module.__call__` (there are no hooks to run)."""
+    run through their `forward`, skipping `nn.Module.__call__` (no hook there that this needs)."""
 
     def __init__(self, target):
         self.body = body = target.base_model

@@ -66,6 +66,19 @@ def test_eager_attention_keeps_its_own_forward():
     assert lean_forward(T.LlamaForCausalLM(T.LlamaConfig(**COMMON, attn_implementation="eager"))) is None
 
 
+def test_hidden_state_capture_keeps_it_and_other_hooks_do_not():
+    """transformers installs output-capture hooks at the first forward with output_hidden_states (EAGLE's feature
+    extraction in training runs one before every checkpoint evaluation); they leave the lean body usable, and any
+    other hook (FSDP's, ZeRO-3's parameter gathering) still turns it off."""
+    model = build("llama")
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules())
+    assert lean_forward(model) is not None
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    assert lean_forward(model) is None
+
+
 def test_lora_adapters_stay_active():
     """Medusa-2 verifies with its LoRA-adapted backbone (`medusa.verifier_model`): the lean body calls the adapted
     modules, so it equals the adapted model's own body."""

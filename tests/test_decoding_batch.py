@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as T
 from conftest import chi2_two_tokens
+from test_decoding_adaptive import build
 from test_eagle import method
 
 from draftsmith.decoding import DraftModel, NoDraft, PromptLookup, Sampling, speculative_generate
@@ -19,15 +19,6 @@ from draftsmith.decoding.metrics import DecodeStats
 
 V, NEW = 96, 20
 KEYS = ("sequences", "steps", "new_tokens", "drafted", "accepted", "reached", "passed", "lengths")
-
-
-def build(arch: str = "llama", seed: int = 0, vocab: int = V):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-                  pad_token_id=None)
-    cfg = T.LlamaConfig(**common) if arch == "llama" else T.Gemma2Config(**common, head_dim=8, sliding_window=8)
-    return T.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def prompts(vocab: int = V) -> list[torch.Tensor]:

@@ -161,7 +161,6 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
 
 
 @torch.no_grad()
-@torch.no_grad()
 def teacher_stats(target, f: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """f [..., s, H] final features -> (log_z, greedy) [..., s]: the target's whole-vocabulary log-normaliser and
     argmax, what an EAGLE-3 teacher needs beyond a pruned draft vocabulary; logits [..., chunk, V] at a time."""
@@ -173,6 +172,7 @@ def teacher_stats(target, f: torch.Tensor, chunk: int) -> tuple[torch.Tensor, to
     return torch.cat(log_z, -1), torch.cat(greedy, -1)
 
 
+@torch.no_grad()
 def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype: torch.dtype,
                  batch_size: int) -> None:
     """Forward `rows` through the target in batches and save their features as one shard, atomically."""

@@ -20,8 +20,9 @@ changes (an optimizer step, a loaded state dict). A projection that is not a pla
 is called as a module instead. Covered: Llama, Mistral, Qwen2 and Qwen3 with full attention in every layer (no
 sliding window), sdpa attention, and no forward hooks in the model (FSDP, DeepSpeed ZeRO-3 gather their shards
 in hooks) but transformers' own output capture (installed by the first forward with `output_hidden_states`, as
-EAGLE's feature extraction runs; it records a module's output only inside the model's own forward); anything else keeps the model's own forward. `hidden_states` follows Hugging Face's convention:
-entry i is the input to layer i, the last one the output after the final norm.
+EAGLE's feature extraction runs; it records a module's output only inside the model's own forward); anything else
+keeps the model's own forward. `hidden_states` follows Hugging Face's convention: entry i is the input to layer i,
+the last one the output after the final norm.
 """
 
 from __future__ import annotations
@@ -135,12 +136,11 @@ class LeanForward:
         body = self.body
         sizes = [q["input_ids"].shape[1] for q in queries]
         spans = [slice(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
-        ids = torch.cat([q["input_ids"] for q in queries], 1) if len(queries) > 1 else queries[0]["input_ids"]
-        pos = torch.cat([q["position_ids"] for q in queries], 1) if len(queries) > 1 else queries[0]["position_ids"]
-        h = body.embed_tokens.forward(ids)  # [1, Q, H], Q = sum q_i
+        h = body.embed_tokens.forward(torch.cat([q["input_ids"] for q in queries], 1))  # [1, Q, H], Q = sum q_i
         Q = h.shape[1]
         masks = [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device)
                  for q, size in zip(queries, sizes, strict=True)]  # (mask, causal) per sequence
+        pos = torch.cat([q["position_ids"] for q in queries], 1)  # [1, Q]
         cos, sin = (x[:, :, None] for x in body.rotary_emb(h, pos))  # [1, Q, 1, d] each
         hidden = [h] if any(q.get("output_hidden_states") for q in queries) else None
         for layer_idx, layer in enumerate(self.layers):
@@ -158,7 +158,7 @@ class LeanForward:
                 o.append(F.scaled_dot_product_attention(  # [1, heads, q_i, d] against [1, kv, past_i + q_i, d]
                     qs[:, span].transpose(1, 2), k_i, v_i, attn_mask=mask, scale=scaling, is_causal=causal,
                     enable_gqa=n_q != n_kv).transpose(1, 2))
-            h = h + o_proj((torch.cat(o, 1) if len(o) > 1 else o[0]).reshape(1, Q, -1))
+            h = h + o_proj(torch.cat(o, 1).reshape(1, Q, -1))
             g, u = gate_up(norm_2(h)).chunk(2, -1)
             h = h + down_proj(act(g) * u)
             if hidden is not None:

@@ -267,8 +267,11 @@ def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
     the EAGLE-2 tree at scripts/bench_eagle.py's CPU size (top 8 per node, 5 rounds, 24 nodes kept)."""
     first = load_proposer(drafter_dir, target)
     runs = [first.drafter, first.embed, first.head]
+    return {"chain": Drafting(target, lambda g: sibling(first, mode="chain", gamma=g), runs, gamma=5),
+            "tree": Drafting(target, lambda g: sibling(first, mode="tree", top_k=8, depth=5, total_tokens=24), runs)}
 
-    def proposer(**kwargs) -> EagleProposer:
-        return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, **kwargs)
-    return {"chain": Drafting(target, lambda g: proposer(mode="chain", gamma=g), runs, gamma=5),
-            "tree": Drafting(target, lambda g: proposer(mode="tree", top_k=8, depth=5, total_tokens=24), runs)}
+
+def sibling(proposer: EagleProposer, **kwargs) -> EagleProposer:
+    """A fresh proposer (per-sequence state of its own) on `proposer`'s drafter, embedding and head, with `kwargs`'
+    settings: one per sequence decoded together, without loading the drafter again."""
+    return EagleProposer(proposer.drafter, proposer.embed, proposer.head, proposer.hidden_layers, **kwargs)

@@ -3,12 +3,10 @@ checkpoint against the training tokens it had seen, beside the held-out step-0 a
 logged (metrics.jsonl); a table (JSON) and one plot. All prompts of a checkpoint are decoded together
 (`evaluate(batch=...)`: at T=0 the batch-1 tau).
 
-    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --num-prompts 8 --max-new-tokens 64 \
-        --out benchmarks/learning_curve_smollm2.json --plot benchmarks/learning_curve_smollm2.png
-    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --prompts \
-        data/real/smollm2-135m-instruct/other_prompts.jsonl --num-prompts 64 --out benchmarks/other_domain.json
-    python scripts/learning_curve.py --run runs/eagle3-smollm2-long --kinds-in-turn --num-prompts 64 \
-        --out benchmarks/in_domain.json
+    python scripts/learning_curve.py --run runs/eagle3-smollm2-offline --kinds-in-turn --num-prompts 16 \
+        --max-new-tokens 64 --out benchmarks/learning_curve_smollm2.json --plot benchmarks/learning_curve_smollm2.png
+    python scripts/learning_curve.py --run runs/eagle3-smollm2-offline --steps 4695 --num-prompts 16 \
+        --prompts data/real/smollm2-135m-instruct/other_prompts.jsonl --out benchmarks/other_domain_smollm2.json
 
 Each checkpoint's figures are written as soon as they are measured and kept on a rerun (delete the JSON to measure
 afresh); the prompts are the recipe's held-out ones (eval.prompts) unless `--prompts FILE` names others (such as
@@ -20,6 +18,7 @@ held-out split is sorted by kind, so its first prompts are all code); the JSON r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from draftsmith.data.core import checkpoints
 from draftsmith.data.prompts import kinds_in_turn
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import evaluate, render_prompts
-from draftsmith.models.eagle_proposer import EagleProposer
+from draftsmith.models.eagle_proposer import sibling
 from draftsmith.models.registry import load_proposer
 from draftsmith.models.target import load_target
 from draftsmith.train.config import shipped
@@ -39,13 +38,12 @@ MODES = ("chain", "tree")
 TEMPERATURES = (0.0, 1.0)
 
 
-def logged(run: Path, row: dict) -> dict:
-    """The row with what the run logged at its step: the checkpoint evaluation's held-out step-0 acceptance (greedy:
-    top-1 agreement; T=1: expected acceptance), its seconds and the run's eval_share (metrics.jsonl), and the
-    training seconds spent (the checkpoint's state.json); None where the checkpoint was not evaluated (a stop)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
-        if (run / "metrics.jsonl").is_file() else []
-    e = next((r for r in reversed(rows) if r["step"] == row["step"] and "eval/heldout_acc_0" in r), {})
+def logged(run: Path, row: dict, evals: dict[int, dict]) -> dict:
+    """The row with what the run logged at its step (`evals`: step -> the checkpoint evaluation's last row of
+    metrics.jsonl): the held-out step-0 acceptance (greedy: top-1 agreement; T=1: expected acceptance), its seconds
+    and the run's eval_share, and the training seconds spent (the checkpoint's state.json); None where the
+    checkpoint was not evaluated (a stop)."""
+    e = evals.get(row["step"], {})
     state = run / f"checkpoint-{row['step']}" / "state.json"
     return {**row, **{k: round(e[key], 4) if e else None for k, key in (
         ("heldout_acc_0", "eval/heldout_acc_0"), ("heldout_accept_0", "eval/heldout_accept_0"),
@@ -124,10 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"step": step, "train_tokens": step * positions}
         first = load_proposer(str(ckpt / "model"), target.model)
         for mode in MODES:
-            def proposer(mode=mode, first=first) -> EagleProposer:  # a fresh one per sequence, one drafter
-                return EagleProposer(first.drafter, first.embed, first.head, first.hidden_layers, mode=mode)
-            r = evaluate(target.model, proposer, prompts, args.max_new_tokens, TEMPERATURES, check_greedy=False,
-                         baselines=baselines, batch=len(prompts))
+            r = evaluate(target.model, functools.partial(sibling, first, mode=mode), prompts, args.max_new_tokens,
+                         TEMPERATURES, check_greedy=False, baselines=baselines, batch=len(prompts))
             for t, fig in r["by_temperature"].items():
                 row[f"tau_{mode}_t{t}"] = round(fig["tau"], 4)
         row["seconds"] = round(time.perf_counter() - t0, 1)  # this curve's decoding of the checkpoint
@@ -137,7 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(row), flush=True)
     if out.is_file():  # every row written so far, by this call or another, with what the run logged since
-        result["table"] = [logged(run, r) for r in json.loads(out.read_text())["table"]]
+        metrics = run / "metrics.jsonl"
+        evals = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines() if metrics.is_file() else [])
+                 if "eval/heldout_acc_0" in r}
+        result["table"] = [logged(run, r, evals) for r in json.loads(out.read_text())["table"]]
         out.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot and result["table"]:
         plot(result["table"], args.plot, f"{Path(cfg['target']['path']).name} EAGLE-3: tau against training tokens\n"

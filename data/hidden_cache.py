@@ -48,6 +48,7 @@ TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")
 TEACHER_KEYS = ("log_z", "greedy")  # written with aux (EAGLE-3): float32 and int32 per token
 TEACHER_BYTES = 4 + 4
 LOGIT_CHUNK = 64  # positions per chunk of full-vocabulary logits while writing
+SHARD_BYTES = 512 << 20  # default shard size: bounds host memory while writing and the work an interruption loses
 
 
 class CacheError(ValueError):
@@ -99,7 +100,7 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_tokens: int = 1 << 20,
+def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_tokens: int = 0,
                 dtype: torch.dtype | str = torch.bfloat16, batch_size: int = 8, meta: dict | None = None,
                 log: Callable[[str], None] = print) -> dict:
     """Write the target's `hidden` (and, with `layers`, `aux`) for every row of `dataset` under `out_dir`.
@@ -108,7 +109,8 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
         target: a `models.target.Target` (frozen); its forwards run under no_grad, `batch_size` rows at a time.
         dataset: rows with input_ids, loss_mask and optionally position_ids (`data.dataset.build_dataset`).
         layers: Hugging Face hidden_states indices stored as `aux` (EAGLE-3); [] stores `hidden` only (EAGLE-1).
-        shard_tokens: tokens per shard; host memory holds one shard's features, shard_tokens*(1+n)*H values.
+        shard_tokens: tokens per shard; host memory holds one shard's features, shard_tokens*(1+n)*H values, and an
+            interrupted run loses at most one shard's work. 0: as many as fit in SHARD_BYTES.
         meta: provenance kept in the manifest (e.g. the recipe's data config and the command).
     Returns the manifest. Resumes a partial cache of the same target, layers, dtype and data; refuses (CacheError)
     a directory holding anything else, and a disk without room for the remaining shards.
@@ -121,8 +123,8 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
         for k in TOKEN_KEYS:
             digest.update(torch.tensor(row[k], dtype=torch.int32).numpy().tobytes())
         lengths.append(len(row["input_ids"]))
-    shards = plan_shards(lengths, shard_tokens)
     bytes_per_token = (1 + len(layers)) * H * dtype.itemsize + TOKEN_BYTES + (TEACHER_BYTES if layers else 0)
+    shards = plan_shards(lengths, shard_tokens or max(1, SHARD_BYTES // bytes_per_token))
     manifest = {"format": FORMAT, "target": str(target.path), "target_sha256": target_fingerprint(target),
                 "layers": list(layers), "teacher": list(TEACHER_KEYS) if layers else [], "hidden_size": H,
                 "dtype": str(dtype).removeprefix("torch."),

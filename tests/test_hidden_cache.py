@@ -60,6 +60,14 @@ def test_fp32_cache_reads_back_the_tap_exactly(target, rows, tmp_path):
         assert torch.equal(got["greedy"].long(), logits.argmax(-1))
 
 
+def test_default_shards_hold_at_most_shard_bytes(target, rows, tmp_path, monkeypatch):
+    per_token = (1 + len(LAYERS)) * target.config.hidden_size * 4 + 9 + 8  # float32 features + token/teacher columns
+    monkeypatch.setattr(hc, "SHARD_BYTES", 300 * per_token)
+    m = write_cache(target, rows, LAYERS, tmp_path, dtype="float32", log=lambda s: None)
+    assert m["bytes_per_token"] == per_token and len(m["shards"]) > 2
+    assert all(s["tokens"] <= 300 or s["rows"] == 1 for s in m["shards"])
+
+
 def test_bf16_batched_cache_is_the_tap_within_bf16_precision(target, rows, tmp_path):
     m = write_cache(target, rows, LAYERS, tmp_path, dtype=torch.bfloat16, batch_size=4, log=lambda s: None)
     H = target.config.hidden_size

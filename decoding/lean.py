@@ -18,7 +18,9 @@ tests/test_decoding_lean.py), the same kind of difference as between Hugging Fac
 over 2. The copies (about the model's size again) are built once per model and rebuilt when a parameter
 changes (an optimizer step, a loaded state dict). A projection that is not a plain `nn.Linear` (a LoRA layer)
 is called as a module instead. Covered: Llama, Mistral, Qwen2 and Qwen3 with full attention in every layer (no
-sliding window), sdpa attention, and no forward hooks in the model (FSDP, DeepSpeed ZeRO-3 gather their shards
+sliding window), Gemma-3 (its sliding-window layers masked to their window over the full cache, as the decoder's
+caches hold every position; its four norms a layer, (1 + weight) RMSNorms; one rotary embedding per layer type),
+sdpa attention, and no forward hooks in the model (FSDP, DeepSpeed ZeRO-3 gather their shards
 in hooks) but transformers' own output capture (installed by the first forward with `output_hidden_states`, as
 EAGLE's feature extraction runs; it records a module's output only inside the model's own forward); anything else
 keeps the model's own forward. `hidden_states` follows Hugging Face's convention: entry i is the input to layer i,
@@ -35,10 +37,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-LEAN = {"llama", "mistral", "qwen2", "qwen3"}
+LEAN = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
 
-def _full_attention(config) -> bool:
+def _covered_attention(config) -> bool:
+    """Full attention in every layer; or Gemma-3's layers of two types, without soft-caps or bidirectional attention."""
+    if config.model_type == "gemma3_text":
+        return (config.attn_logit_softcapping is None and config.final_logit_softcapping is None
+                and not config.use_bidirectional_attention)
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return False
     return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
@@ -48,7 +54,7 @@ def lean_forward(target) -> LeanForward | None:
     """A `LeanForward` over the target's body where it is covered (module docstring), else None; the same object
     for the same target while its parameters are unchanged."""
     config, body = target.config, target.base_model
-    if config.model_type not in LEAN or not _full_attention(config) or config._attn_implementation != "sdpa":
+    if config.model_type not in LEAN or not _covered_attention(config) or config._attn_implementation != "sdpa":
         return None
     if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "rotary_emb", "norm")):
         return None  # not the transformers layout this was read from
@@ -75,12 +81,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-def _norm(module: nn.Module):
-    """An RMSNorm's forward; `F.rms_norm` for a float32 Llama-style one (the same result, one op)."""
-    if type(module).__name__.endswith("RMSNorm") and module.weight.dtype == torch.float32:
-        shape, weight, eps = module.weight.shape, module.weight, module.variance_epsilon
-        return lambda x: F.rms_norm(x, shape, weight, eps)
-    return module.forward
+def _norm(module: nn.Module | None):
+    """An RMSNorm's forward; `F.rms_norm` for a float32 Llama-style one or Gemma-3's, which scales by 1 + weight
+    (the same result, one op); None for None."""
+    if module is None or not type(module).__name__.endswith("RMSNorm") or module.weight.dtype != torch.float32:
+        return None if module is None else module.forward
+    shape = module.weight.shape
+    if type(module).__name__ == "Gemma3RMSNorm":
+        weight, eps = 1.0 + module.weight.detach(), module.eps
+    else:
+        weight, eps = module.weight, module.variance_epsilon
+    return lambda x: F.rms_norm(x, shape, weight, eps)
 
 
 class Fused:
@@ -112,15 +123,24 @@ class LeanForward:
     def __init__(self, target):
         self.body = body = target.base_model
         self.norm, self.head = _norm(body.norm), Fused(target.get_output_embeddings())  # head: [.., H] -> [.., V]
+        config = target.config
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(body.layers)
+        # Gemma-3: rotary embeddings per layer type (another base for sliding layers); the others have one.
+        self.rope_types = sorted(set(types)) if hasattr(body.rotary_emb, "layer_types") else None
+        self.windows = {t: config.sliding_window if t == "sliding_attention" else None for t in set(types)}
         self.layers = []
-        for layer in body.layers:
+        for layer, layer_type in zip(body.layers, types, strict=True):
             a, mlp = layer.self_attn, layer.mlp
-            qk_norm = (_norm(a.q_norm), _norm(a.k_norm)) if hasattr(a, "q_norm") else None  # Qwen3
+            qk_norm = (_norm(a.q_norm), _norm(a.k_norm)) if hasattr(a, "q_norm") else None  # Qwen3, Gemma-3
             n_q = a.config.num_attention_heads
             heads = (n_q, n_q // a.num_key_value_groups, a.head_dim)
-            self.layers.append((_norm(layer.input_layernorm), Fused(a.q_proj, a.k_proj, a.v_proj), heads, qk_norm,
-                                a.scaling, Fused(a.o_proj), _norm(layer.post_attention_layernorm),
-                                Fused(mlp.gate_proj, mlp.up_proj), mlp.act_fn.forward, mlp.down_proj.forward))
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma-3: norms after attention and MLP too
+            norm_2 = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            self.layers.append((layer_type, _norm(layer.input_layernorm), Fused(a.q_proj, a.k_proj, a.v_proj), heads,
+                                qk_norm, a.scaling, Fused(a.o_proj),
+                                _norm(layer.post_attention_layernorm if sandwich else None), _norm(norm_2),
+                                Fused(mlp.gate_proj, mlp.up_proj), mlp.act_fn.forward, mlp.down_proj.forward,
+                                _norm(layer.post_feedforward_layernorm if sandwich else None)))
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, attention_mask=None,
                  output_hidden_states: bool = False, **_) -> SimpleNamespace:
@@ -138,29 +158,36 @@ class LeanForward:
         spans = [slice(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
         h = body.embed_tokens.forward(torch.cat([q["input_ids"] for q in queries], 1))  # [1, Q, H], Q = sum q_i
         Q = h.shape[1]
-        masks = [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device)
-                 for q, size in zip(queries, sizes, strict=True)]  # (mask, causal) per sequence
+        masks = {t: [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device, t, window)
+                     for q, size in zip(queries, sizes, strict=True)]
+                 for t, window in self.windows.items()}  # per layer type: (mask, causal) per sequence
         pos = torch.cat([q["position_ids"] for q in queries], 1)  # [1, Q]
-        cos, sin = (x[:, :, None] for x in body.rotary_emb(h, pos))  # [1, Q, 1, d] each
+        rope = ({t: body.rotary_emb(h, pos, t) for t in self.rope_types} if self.rope_types else
+                dict.fromkeys(self.windows, body.rotary_emb(h, pos)))
+        rope = {t: [x[:, :, None] for x in cs] for t, cs in rope.items()}  # cos, sin: [1, Q, 1, d] each
         hidden = [h] if any(q.get("output_hidden_states") for q in queries) else None
         for layer_idx, layer in enumerate(self.layers):
-            norm_1, qkv, (n_q, n_kv, d), qk_norm, scaling, o_proj, norm_2, gate_up, act, down_proj = layer
+            (layer_type, norm_1, qkv, (n_q, n_kv, d), qk_norm, scaling, o_proj, post_attn, norm_2, gate_up, act,
+             down_proj, post_mlp) = layer
+            cos, sin = rope[layer_type]
             x = qkv(norm_1(h)).view(1, Q, n_q + 2 * n_kv, d)  # [1, Q, heads: q | k | v, d]
-            if qk_norm:  # Qwen3: RMSNorm per head before the rotary embedding
+            if qk_norm:  # Qwen3, Gemma-3: RMSNorm per head before the rotary embedding
                 qs, ks = (_rotate(norm(x[:, :, part]), cos, sin)
                           for norm, part in zip(qk_norm, (slice(0, n_q), slice(n_q, -n_kv)), strict=True))
             else:
                 qs, ks = _rotate(x[:, :, :-n_kv], cos, sin).split((n_q, n_kv), 2)
             vs = x[:, :, -n_kv:]
             o = []
-            for span, q, (mask, causal) in zip(spans, queries, masks, strict=True):
+            for span, q, (mask, causal) in zip(spans, queries, masks[layer_type], strict=True):
                 k_i, v_i = q["cache"].update(ks[:, span].transpose(1, 2), vs[:, span].transpose(1, 2), layer_idx)
                 o.append(F.scaled_dot_product_attention(  # [1, heads, q_i, d] against [1, kv, past_i + q_i, d]
                     qs[:, span].transpose(1, 2), k_i, v_i, attn_mask=mask, scale=scaling, is_causal=causal,
                     enable_gqa=n_q != n_kv).transpose(1, 2))
-            h = h + o_proj(torch.cat(o, 1).reshape(1, Q, -1))
+            o = o_proj(torch.cat(o, 1).reshape(1, Q, -1))
+            h = h + (post_attn(o) if post_attn else o)
             g, u = gate_up(norm_2(h)).chunk(2, -1)
-            h = h + down_proj(act(g) * u)
+            m = down_proj(act(g) * u)
+            h = h + (post_mlp(m) if post_mlp else m)
             if hidden is not None:
                 hidden.append(h)
         h = self.norm(h)
@@ -171,10 +198,17 @@ class LeanForward:
                 for span, q in zip(spans, queries, strict=True)]
 
 
-def _mask(attention_mask, q: int, past: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
-    """One sequence's attention mask for `scaled_dot_product_attention`, and whether it is plain causal (a prefill)."""
-    if isinstance(attention_mask, dict):  # one entry per layer type: all full attention here
-        attention_mask = attention_mask["full_attention"]
+def _mask(attention_mask, q: int, past: int, device: torch.device, layer_type: str,
+          window: int | None) -> tuple[torch.Tensor | None, bool]:
+    """One sequence's attention mask for `scaled_dot_product_attention` in layers of `layer_type` (keys older than
+    `window` positions hidden, as Hugging Face does: key j visible from query i if i - window < j <= i), and whether
+    it is plain causal (a prefill)."""
+    if isinstance(attention_mask, dict):  # one entry per layer type
+        attention_mask = attention_mask[layer_type]
+    if attention_mask is None and window is not None and past + q > window:  # a chain or prefill past the window
+        q_pos = torch.arange(past, past + q, device=device)[:, None]  # [q, 1]
+        k_pos = torch.arange(past + q, device=device)[None]  # [1, past + q]
+        attention_mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
     if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
         attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=device).tril(past)[None, None]
     return attention_mask, attention_mask is None and q > 1

@@ -24,7 +24,9 @@ def build(arch: str = "llama", seed: int = 0, vocab: int = V):
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None)
-    cfg = T.LlamaConfig(**common) if arch == "llama" else T.Gemma2Config(**common, head_dim=8, sliding_window=8)
+    cfg = {"llama": lambda: T.LlamaConfig(**common),
+           "gemma2": lambda: T.Gemma2Config(**common, head_dim=8, sliding_window=8),
+           "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=8, sliding_window_pattern=2)}[arch]()
     return T.AutoModelForCausalLM.from_config(cfg).eval()
 
 

@@ -50,15 +50,16 @@ def ragged_widths(monkeypatch, target) -> list[int]:
 
 def setup(name: str):
     """(target, a function making a fresh proposer)."""
-    if name in ("draft_model", "prompt_lookup"):
-        draft = build(seed=1)
-        return build(), (lambda: DraftModel(draft, V, gamma=3)) if name == "draft_model" else (lambda: PromptLookup(4))
+    if name in ("draft_model", "gemma3_draft_model", "prompt_lookup"):
+        arch = "gemma3" if name.startswith("gemma3") else "llama"  # Gemma-3: sliding-window layers, window 8
+        draft = build(arch, seed=1)
+        return build(arch), (lambda: PromptLookup(4)) if name == "prompt_lookup" else (lambda: DraftModel(draft, V, 3))
     m = method(3) if name == "eagle2_tree" else method(1)
     kw = dict(mode="tree", top_k=3, depth=4, total_tokens=10) if name == "eagle2_tree" else dict(gamma=4)
     return m.target.model, lambda: m.proposer(**kw)
 
 
-@pytest.mark.parametrize("name", ["draft_model", "prompt_lookup", "eagle2_tree", "eagle_chain"])
+@pytest.mark.parametrize("name", ["draft_model", "gemma3_draft_model", "prompt_lookup", "eagle2_tree", "eagle_chain"])
 def test_batched_tokens_and_statistics_equal_the_serial_ones_and_the_targets(name, monkeypatch):
     target, fresh = setup(name)
     xs = prompts()

@@ -14,7 +14,7 @@ from draftsmith.decoding.generate import attention_masks
 from draftsmith.decoding.lean import lean_forward
 from tests.test_decoding_generate import COMMON, CONFIGS, build
 
-COVERED = ["llama", "qwen2_full", "qwen3", "mistral_full"]
+COVERED = ["llama", "qwen2_full", "qwen3", "mistral_full", "gemma3"]
 
 
 @pytest.mark.parametrize("arch", COVERED)
@@ -24,6 +24,10 @@ def test_lean_body_equals_the_models_own(arch):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch == "gemma3":  # its norms scale by 1 + weight, zero at init: random ones, so that w for 1 + w would show
+        for module in model.modules():
+            if type(module).__name__ == "Gemma3RMSNorm":
+                torch.nn.init.normal_(module.weight, std=0.5)
     lean = lean_forward(model)
     assert lean is not None
     ids = torch.randint(0, COMMON["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(0))
@@ -58,7 +62,8 @@ def close(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("arch", sorted(set(CONFIGS) - set(COVERED)))
 def test_other_architectures_keep_their_own_forward(arch):
-    """Sliding-window layers (Mistral, Qwen2 with a window), Gemma's norms and soft-caps, GPT-2's layout."""
+    """Sliding-window layers without Gemma-3's layer types (Mistral, Qwen2 with a window), Gemma-2's soft-caps,
+    GPT-2's layout."""
     assert lean_forward(build(arch)) is None
 
 

@@ -32,6 +32,9 @@ from draftsmith.train.guard import write_manifest
 REPO = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5  # loss curves, 2 processes vs 1 with the same global batch
 WEIGHT_ATOL = 1e-6  # trainable weights after 4 steps
+# FSDP2's EAGLE-3 against one process: up to 1.8e-4 on some CPUs (in 5-15% of the weights; 0 above 1e-6 on others),
+# float32 sums in another order grown over 4 Adam steps at lr 1e-2; a sharding error moves weights by about a step
+FSDP2_WEIGHT_ATOL = 1e-3
 
 TINY = ["data.limit=48", "data.max_length=256", "data.overlong=truncate", "data.on_no_assistant=drop",
         "data.cache=false", "eval.heldout_examples=8", "eval.num_prompts=1", "eval.max_new_tokens=4",
@@ -193,7 +196,7 @@ def test_fsdp2_two_processes_match_one_process(recipe, pairs, fsdp2_runs):
     run = fsdp2_runs(recipe)
     for step, loss in losses(one).items():
         assert losses(run)[step] == pytest.approx(loss, rel=LOSS_RTOL), step
-    assert_close(weights(run, 4), weights(one, 4))
+    assert_close(weights(run, 4), weights(one, 4), atol=FSDP2_WEIGHT_ATOL)
     assert sorted(evals(run)) == [2, 4] and (run / "best" / "best.json").is_file()
     state = json.loads((run / "checkpoint-4" / "state.json").read_text())
     assert state["backend"] == "fsdp2" and state["world_size"] == 2

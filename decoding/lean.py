@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from draftsmith.decoding.tree import tree_attention_mask
+
 LEAN = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
 
 
@@ -158,7 +160,7 @@ class LeanForward:
         spans = [slice(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
         h = body.embed_tokens.forward(torch.cat([q["input_ids"] for q in queries], 1))  # [1, Q, H], Q = sum q_i
         Q = h.shape[1]
-        masks = {t: [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device, t, window)
+        masks = {t: [_mask(q.get("attention_mask"), size, q["cache"].get_seq_length(), h.device, h.dtype, t, window)
                      for q, size in zip(queries, sizes, strict=True)]
                  for t, window in self.windows.items()}  # per layer type: (mask, causal) per sequence
         pos = torch.cat([q["position_ids"] for q in queries], 1)  # [1, Q]
@@ -198,17 +200,15 @@ class LeanForward:
                 for span, q in zip(spans, queries, strict=True)]
 
 
-def _mask(attention_mask, q: int, past: int, device: torch.device, layer_type: str,
+def _mask(attention_mask, q: int, past: int, device: torch.device, dtype: torch.dtype, layer_type: str,
           window: int | None) -> tuple[torch.Tensor | None, bool]:
     """One sequence's attention mask for `scaled_dot_product_attention` in layers of `layer_type` (keys older than
-    `window` positions hidden, as Hugging Face does: key j visible from query i if i - window < j <= i), and whether
+    `window` positions hidden: a chain's `tree_attention_mask`), and whether
     it is plain causal (a prefill)."""
     if isinstance(attention_mask, dict):  # one entry per layer type
         attention_mask = attention_mask[layer_type]
     if attention_mask is None and window is not None and past + q > window:  # a chain or prefill past the window
-        q_pos = torch.arange(past, past + q, device=device)[:, None]  # [q, 1]
-        k_pos = torch.arange(past + q, device=device)[None]  # [1, past + q]
-        attention_mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+        attention_mask = tree_attention_mask(torch.arange(-1, q - 2, device=device), past, dtype, window)
     if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
         attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=device).tril(past)[None, None]
     return attention_mask, attention_mask is None and q > 1

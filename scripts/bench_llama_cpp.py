@@ -2,7 +2,7 @@
 
     python scripts/bench_llama_cpp.py --drafter eagle3=RUN [--drafter distill=RUN ...] [--target smollm2-135m-instruct]
         [--prompts data/real/smollm2-135m-instruct/heldout_prompts.jsonl] [--num-prompts 20] [--max-new-tokens 128]
-        [--draft-n 5] [--p-min 0 0.7] [--precisions f32 f16 q4_1] [--temperatures 0 1] [--ngram ngram-simple ...]
+        [--draft-n 5] [--p-min 0 0.5 0.8] [--precisions f32 f16 q4_1] [--temperatures 0 1] [--ngram ngram-simple ...]
         [--repeats 3] [--threads 2] [--out benchmarks/llama_cpp.json] [--plot docs/llama-cpp.png]
 
 For each target precision (F32 and F16 written by llama.cpp's converter from the target's directory; q4_1 the
@@ -24,10 +24,12 @@ The T = 0 comparison is like for like for every kind llama.cpp serves (EAGLE-3 a
 model as draft-simple, DFlash as draft-dflash): llama.cpp drafts the drafter's argmax, `--spec-draft-n-max` tokens
 every step (its p_min, which would stop a draft early, defaults to 0; draft-dflash caps the draft at block_size - 1,
 which --draft-n = block_size - 1 meets), each draft cut to the tokens still to generate, as our chain of --draft-n
-does. Each --p-min above 0 serves every drafter once more as `NAME p_min=P`: llama.cpp then stops a draft at the
-first token whose draft probability (softmax over the drafter's top 10) is below P, and a step that drafts nothing
-is a plain step. That is a serving setting, not a property of the drafter: its rows have no tau of ours beside them. Its acceptance length pools over the steps that drafted; its first new token comes from the prompt's
+does. Its acceptance length pools over the steps that drafted; its first new token comes from the prompt's
 prefill, undrafted, where our first step verifies a draft: one step per prompt apart, a small share of the steps.
+
+Each --p-min above 0 serves every drafter once more as `NAME p_min=P`: llama.cpp then stops a draft at the first
+token whose draft probability (softmax over the drafter's top 10) is below P, and a step that drafts nothing is a
+plain step. That is a serving setting, not a property of the drafter: its rows have no tau of ours beside them.
 """
 
 from __future__ import annotations

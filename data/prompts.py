@@ -8,6 +8,8 @@ questions, lists and formats, multi-turn follow-ups) from small templates filled
 Every prompt is a conversation ending in a user turn; multi-turn ones hold an empty assistant turn that
 regeneration fills first. The split is by a hash of the first user turn, so it never depends on order.
 `build_more_prompts` adds training prompts to a set already answered, leaving its held-out split as it is.
+`build_broad_prompts` makes everyday chat tasks of nine more kinds (advice, how-to, comparisons, ideas, reasons, pros
+and cons, stories, letters, questions on a text) for a second training source (`draftsmith self-distill --broad`).
 `build_other_prompts` makes prompts of kinds none of these is (recipes, travel plans, dialogues, product copy, SQL,
 shell, reviews, translation): another domain, to measure a drafter's tau off its training traffic
 (`draftsmith self-distill --target NAME --other-prompts` writes them to data/real/NAME/other_prompts.jsonl).
@@ -289,21 +291,127 @@ def other_makers(rng: random.Random) -> dict:
     }
 
 
-def build_other_prompts(n: int = 64, seed: int = 0) -> list[dict]:
-    """n distinct one-turn conversations `{"id", "kind", "messages"}` of kinds build_prompts never makes, the 8 kinds
-    taking turns (the first k rows cover min(k, 8) kinds, each kind has n // 8 or one more)."""
-    rng = random.Random(seed)
+def kinds_taking_turns(makers, n: int, name: str) -> list[dict]:
+    """n distinct one-turn conversations `{"id", "kind", "messages"}`, one of each kind of `makers()` in turn (the first
+    k rows cover min(k, number of kinds) kinds); `makers()` is called once per round, for fresh fillers."""
     rows, seen = [], set()
     while len(rows) < n:
-        makers = other_makers(rng)  # fresh fillers (a table, a review's verdicts, ...) for each round of kinds
-        for kind, make in list(makers.items())[: n - len(rows)]:
+        for kind, make in list(makers().items())[: n - len(rows)]:
             text = next((t for t in (make() for _ in range(1000)) if t not in seen), None)
             if text is None:
-                raise ValueError(f"build_other_prompts: the {kind} templates ran out of distinct prompts before "
-                                 f"n={n}; ask for fewer")
+                raise ValueError(f"{name}: the {kind} templates ran out of distinct prompts before n={n}; ask for fewer")
             seen.add(text)
             rows.append({"id": hashlib.sha256(text.encode()).hexdigest()[:16], "kind": kind, "messages": user(text)})
     return rows
+
+
+def build_other_prompts(n: int = 64, seed: int = 0) -> list[dict]:
+    """n distinct one-turn conversations `{"id", "kind", "messages"}` of kinds neither build_prompts nor
+    build_broad_prompts makes, the 8 kinds taking turns (each kind has n // 8 or one more)."""
+    rng = random.Random(seed)
+    return kinds_taking_turns(lambda: other_makers(rng), n, "build_other_prompts")
+
+
+TASKS = ["fix a flat bicycle tyre", "start a small vegetable garden", "write a good CV", "prepare for a job interview",
+         "train a puppy to sit", "fall asleep faster", "save money every month", "keep a houseplant alive",
+         "get better at public speaking", "organise a messy wardrobe", "start running as a beginner",
+         "make a monthly budget", "stay focused while studying", "clean a laptop keyboard", "back up photos from a phone",
+         "learn to touch type", "write a thank-you note", "choose a good password", "paint a room",
+         "remove a coffee stain from a shirt", "keep a journal", "memorise a short speech", "set up a fish tank",
+         "build a habit of reading every day", "change a flat car tyre", "start meditating", "make new friends in a new town"]
+PAIRS = [("weather", "climate"), ("a virus", "a bacterium"), ("a list", "a tuple in Python"), ("a stock", "a bond"),
+         ("RAM", "disk storage"), ("an alligator", "a crocodile"), ("speed", "velocity"), ("a lake", "a pond"),
+         ("mass", "weight"), ("a simile", "a metaphor"), ("affect", "effect"), ("a comet", "an asteroid"),
+         ("TCP", "UDP"), ("a debit card", "a credit card"), ("an ape", "a monkey"), ("a process", "a thread"),
+         ("baking soda", "baking powder"), ("a hurricane", "a tornado"), ("a republic", "a monarchy"),
+         ("a compiler", "an interpreter"), ("a poem", "a song"), ("renting", "buying a home"), ("a moth", "a butterfly"),
+         ("a sprint", "a marathon"), ("an invoice", "a receipt"), ("a novel", "a short story"), ("HTTP", "HTTPS")]
+OCCASIONS = ["a ten-year-old's birthday party", "a school science fair project", "a rainy weekend at home",
+             "a team-building day at work", "a blog about {topic}", "a short film about {topic}", "a gift for a teacher",
+             "a fundraiser for a local library", "a picnic with friends", "a club for people who like {topic}",
+             "a first date", "a family reunion", "a podcast episode about {topic}", "a photo series about {topic}",
+             "a board game night", "a retirement party", "a poster about recycling", "a summer reading challenge"]
+SITUATIONS = ["my friend forgot my birthday", "a coworker keeps taking credit for my work",
+              "I feel nervous before every exam", "my neighbour plays loud music late at night",
+              "I cannot decide which university to choose", "my roommate never does the dishes",
+              "I want to ask my manager for a raise", "I keep putting off my homework", "my little brother is bullied",
+              "I spend too much time on my phone", "I lent money to a friend who has not paid it back",
+              "I want to change careers at forty", "my parents disagree with my choice of job",
+              "I have too many meetings to get real work done", "I moved to a new city and feel lonely"]
+PHENOMENA = ["the sky is blue", "ice floats on water", "cats purr", "leaves change colour in autumn",
+             "we get hiccups", "bread goes stale", "the sea is salty", "onions make us cry", "stars twinkle",
+             "metal feels colder than wood", "we yawn", "bubbles are round", "planes leave white trails",
+             "the moon has phases", "popcorn pops", "our voice sounds strange on recordings", "rainbows are curved",
+             "soap removes grease", "we dream", "birds fly south in winter", "a spoon looks bent in a glass of water"]
+CHOICES = ["working from home", "electric cars", "living in a big city", "learning the piano as an adult",
+           "a four-day work week", "homeschooling", "owning a dog", "social media for teenagers", "nuclear power",
+           "studying abroad", "buying a used car", "open-plan offices", "e-books over paper books", "school uniforms",
+           "freelancing", "a gap year before university", "solar panels on a house", "public transport over driving"]
+HEROES = ["a lighthouse keeper", "a shy robot", "an old fisherman", "a girl who can talk to birds", "a lost kitten",
+          "a clockmaker", "a young astronaut", "a baker who cannot smell", "a forgetful wizard", "twin detectives",
+          "a mail carrier in a small village", "a dragon afraid of fire"]
+EVENTS = ["finds a map under the floor", "wakes up one morning able to fly", "has to keep a secret for a whole day",
+          "meets a stranger who knows their name", "loses something important", "wins a contest by accident",
+          "must cross a frozen river", "discovers a door that was not there yesterday"]
+STYLES = ["", " Keep it short.", " Use a numbered list.", " Explain it as if I were a beginner.", " Be detailed.",
+          " Give one concrete example.", " Answer in a friendly, casual tone.", " Start with a one-sentence summary."]
+RECIPIENTS = [("the city council", "to fix the streetlights on my street"), ("my landlord", "for permission to get a cat"),
+              ("a university", "for an extension on my application"), ("my bank", "to close an old account"),
+              ("a school principal", "to start a chess club"), ("a local newspaper", "about the lack of bike lanes"),
+              ("my employer", "for a week of unpaid leave"), ("an author", "to thank them for a book I loved"),
+              ("a museum", "for a group discount for students"), ("my neighbours", "to invite them to a street party")]
+
+
+def broad_makers(rng: random.Random, prose: tuple[str, ...]) -> dict:
+    """kind -> maker of one user text, for everyday chat tasks that neither build_prompts nor build_other_prompts
+    makes (advice, how-to, comparisons, ideas, reasons, stories, letters, extraction)."""
+    n, topic = rng.randint(3, 8), rng.choice(TOPICS)
+    a, b = rng.choice(PAIRS)
+    return {
+        "how_to": lambda: rng.choice(["How do I {}?", "What are the steps to {}?", "Give me a beginner's guide to how "
+                                      "to {}.", "What mistakes should I avoid when I try to {}?"]).format(rng.choice(TASKS))
+        + rng.choice(STYLES),
+        "comparison": lambda: rng.choice([f"What is the difference between {a} and {b}?", f"Compare {a} and {b}.",
+                                          f"Is {a} the same as {b}? Explain.",
+                                          f"Make a table comparing {a} and {b} on {n} points."]) + rng.choice(STYLES),
+        "brainstorm": lambda: rng.choice([f"Give me {n} ideas for ", f"Brainstorm {n} names for ",
+                                          f"Suggest {n} creative themes for "]) + rng.choice(OCCASIONS).format(topic=topic)
+        + ".",
+        "advice": lambda: rng.choice(["{}. What should I do?", "Can you give me advice? {}.", "{}, and I do not know how "
+                                      "to bring it up. Any tips?"]).format(rng.choice(SITUATIONS).capitalize())
+        + rng.choice(STYLES),
+        "why": lambda: rng.choice(["Why is it that {}?", "Can you explain why {}?", "Explain to a child why {}.",
+                                   "What is the science behind the fact that {}?"]).format(rng.choice(PHENOMENA))
+        + rng.choice(STYLES),
+        "pros_cons": lambda: rng.choice(["What are the pros and cons of {}?", "Give {n} arguments for and {n} against {}.",
+                                         "Should I consider {}? Weigh it up for me."]).format(rng.choice(CHOICES), n=n)
+        + rng.choice(STYLES),
+        "story": lambda: rng.choice(["Write a short story about {} who {}.", "Tell me a bedtime story about {} who {}.",
+                                     "Write the opening paragraph of a novel about {} who {}."]).format(
+            rng.choice(HEROES), rng.choice(EVENTS)),
+        "letter": lambda: rng.choice(["Write a formal letter to {} asking {}.", "Draft a polite message to {} asking {}.",
+                                      "Help me write to {} to ask {}."]).format(*rng.choice(RECIPIENTS))
+        + rng.choice(["", " Keep it under 150 words.", " Make it firm but friendly.", " Include a clear deadline."])
+        + f" Sign it from {rng.choice(NAMES)}.",
+        "extraction": lambda: rng.choice(["List every technical term in this text:\n\n",
+                                          "What questions does this text answer? List them.\n\n",
+                                          "Write three quiz questions, with answers, about this text:\n\n",
+                                          "Which words in this text would a beginner need explained?\n\n"])
+        + rng.choice(prose),
+    }
+
+
+def build_broad_prompts(n: int = 2000, seed: int = 0) -> list[dict]:
+    """n distinct one-turn conversations `{"id", "kind", "split", "messages"}` of everyday chat tasks
+    (broad_makers), the kinds taking turns: more kinds to train on than build_prompts has, none of the other domain's
+    (build_other_prompts), so that domain stays unseen. Split by a hash of the text as `build_prompts` does."""
+    rng = random.Random(seed)
+    prose = stdlib_pools()[3]
+    rows = kinds_taking_turns(lambda: broad_makers(rng, prose), n, "build_broad_prompts")
+    for r in rows:
+        bucket = int(hashlib.sha256(r["messages"][0]["content"].encode()).hexdigest()[:8], 16) % 100
+        r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
+    return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
 
 
 def kinds_in_turn(rows: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@ from conftest import REPO
 
 from draftsmith.data.dataset import DataConfig, build_dataset
 from draftsmith.data.prompts import (
+    build_broad_prompts,
     build_more_prompts,
     build_other_prompts,
     build_prompts,
@@ -189,3 +190,23 @@ def test_other_prompts_are_another_domain_and_the_committed_file_is_what_the_com
     mixed = collections.Counter(r["kind"] for r in kinds_in_turn(heldout)[:64])
     assert len(mixed) == 9 and set(mixed.values()) == {7, 8}
     assert sorted(r["id"] for r in kinds_in_turn(heldout)) == sorted(r["id"] for r in heldout)
+
+
+def test_broad_prompts_are_new_kinds_in_turn_and_answered_into_a_source_of_their_own(tiny_chat_target, tmp_path):
+    rows = build_broad_prompts(900)
+    kinds = collections.Counter(r["kind"] for r in rows)
+    assert len({r["id"] for r in rows}) == 900 and len(kinds) == 9 and set(kinds.values()) == {100}
+    assert kinds_in_turn(rows) == rows and build_broad_prompts(900) == rows != build_broad_prompts(900, seed=1)
+    # Kinds of their own: neither the default set's (trained on) nor the other domain's (never trained on).
+    assert not set(kinds) & ({r["kind"] for r in build_prompts(600)} | {r["kind"] for r in build_other_prompts()})
+    assert 0.03 < sum(r["split"] == "heldout" for r in rows) / len(rows) < 0.15
+    args = ["--target", str(tiny_chat_target), "--broad", "--num-prompts", "20", "--max-new-tokens", "4",
+            "--batch-size", "8", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    self_distill.main(args)
+    self_distill.main(args + ["--finalize"])
+    settings = json.loads((tmp_path / "out" / "broad" / "settings.json").read_text())
+    assert settings["prompt_set"] == "broad" and sum(settings["answered"].values()) == 20
+    with gzip.open(tmp_path / "out" / "broad" / "train.jsonl.gz", "rt") as fh:
+        train = [json.loads(line) for line in fh]
+    assert {r["id"] for r in train} == {r["id"] for r in build_broad_prompts(20) if r["split"] == "train"}
+    assert not (tmp_path / "out" / "train.jsonl.gz").exists()  # the default set's source is left alone

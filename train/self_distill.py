@@ -3,12 +3,15 @@
     draftsmith self-distill --target smollm2-135m-instruct            # resumable; rerun to continue
     draftsmith self-distill --target smollm2-135m-instruct --server http://127.0.0.1:8080  # answered by a server
     draftsmith self-distill --target smollm2-135m-instruct --more-prompts 1000  # 1,000 training prompts more
+    draftsmith self-distill --target smollm2-135m-instruct --broad --num-prompts 2000  # data/real/NAME/broad
     draftsmith self-distill --target smollm2-135m-instruct --finalize # write data/real/NAME from what is done
     draftsmith self-distill --target smollm2-135m-instruct --other-prompts  # data/real/NAME/other_prompts.jsonl
 
 Prompts come from data/prompts.py (code from the stdlib, arithmetic and word problems, factual questions,
 rewriting, lists and formats, multi-turn follow-ups), split train / held-out by a hash of the first user
 turn; `--more-prompts M` adds M training prompts to the --num-prompts ones, the held-out split unchanged.
+`--broad` answers prompts of nine everyday kinds instead (advice, how-to, comparisons, ideas, stories, letters, ...:
+build_broad_prompts) into data/real/NAME/broad, a second source for a recipe's `data.extra`.
 A target whose tokenizer has no chat template (a base model such as Gemma-3-270M) gets plain-text
 openings instead (stdlib function headers with docstrings, prose) and continues them: rows of `text`. The target answers each one through train/regenerate.py's batched generation (held-out prompts
 first), or through an OpenAI-compatible server serving the same weights (`--server URL`, --batch-size
@@ -35,7 +38,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import read_file
-from draftsmith.data.prompts import build_more_prompts, build_other_prompts, build_prompts, build_text_prompts
+from draftsmith.data.prompts import (
+    build_broad_prompts,
+    build_more_prompts,
+    build_other_prompts,
+    build_prompts,
+    build_text_prompts,
+)
 from draftsmith.data.server import Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli
@@ -118,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--broad", action="store_true", help="prompts of everyday kinds the default set lacks "
+                        "(data/prompts.py build_broad_prompts), into <work>/broad and <out>/broad; chat only")
     parser.add_argument("--work", default="", help="default runs/self_distill/<target name>")
     parser.add_argument("--out", default="", help="default data/real/<target name>")
     parser.add_argument("--finalize", action="store_true", help="write the compressed data from what is done")
@@ -128,14 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     name = Path(args.target).name
-    work = Path(args.work or Path("runs") / "self_distill" / name)
-    out = Path(args.out or Path("data") / "real" / name)
+    work = Path(args.work or Path("runs") / "self_distill" / name) / ("broad" if args.broad else "")
+    out = Path(args.out or Path("data") / "real" / name) / ("broad" if args.broad else "")
     target_dir = Path(resolve_target(args.target))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     text = tokenizer.chat_template is None  # a base model: plain-text openings to continue
     if text and args.more_prompts:
         parser.error(f"--more-prompts: {args.target} has no chat template; there are more plain-text openings only "
                      "through a larger --num-prompts (a new held-out split)")
+    if args.broad and (text or args.more_prompts or args.other_prompts):
+        parser.error("--broad: chat prompts of their own set, for a target with a chat template, without "
+                     "--more-prompts or --other-prompts")
     if text and args.other_prompts:
         parser.error(f"--other-prompts: {args.target} has no chat template; the other domain's prompts are chat "
                      "conversations")
@@ -147,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                  out / "other_prompts.jsonl")
         return
     settings = {"target": args.target, "format": "text" if text else "chat", "num_prompts": args.num_prompts,
+                **({"prompt_set": "broad"} if args.broad else {}),
                 **({"more_prompts": args.more_prompts} if args.more_prompts else {}),
                 "prompt_seed": args.seed,
                 "sampling": {"temperature": args.temperature, "top_k": 0, "top_p": 1.0,
@@ -161,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     prompts_file = work / "prompts.jsonl"
     if not prompts_file.is_file():
-        rows = (build_text_prompts if text else build_prompts)(args.num_prompts, args.seed)
+        build = build_text_prompts if text else build_broad_prompts if args.broad else build_prompts
+        rows = build(args.num_prompts, args.seed)
         prompts_file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     rows = read_file(prompts_file, f"delete {prompts_file} and run again")
     if args.more_prompts:

@@ -132,7 +132,7 @@ def read_file(path: str | Path, fix: str):
         text = path.read_text()
         if kind == ".jsonl":
             rows = []
-            for n, line in enumerate(text.splitlines(), 1):
+            for n, line in enumerate(text.split("\n"), 1):  # not splitlines: a JSON string may hold U+2028 raw
                 if line.strip():
                     try:
                         rows.append(json.loads(line))

@@ -132,7 +132,7 @@ def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversati
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
     else:
         rows = []
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(text.split("\n"), 1):  # JSON Lines end at "\n" only: a string may hold U+2028
             if line.strip():
                 try:
                     rows.append((n, json.loads(line)))

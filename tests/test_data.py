@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data import core
 from draftsmith.data import dataset as D
 from draftsmith.data.chat import NoAssistantTokens, TemplateMismatch, tokenize_example
 from draftsmith.data.packing import pack
@@ -114,6 +115,21 @@ def test_overlong_truncate_and_drop(tokenizer, tmp_path, caplog):
                           tokenizer)
     assert (stats.truncated, stats.dropped_overlong, stats.kept, len(ds)) == (0, 1, 2, 2)
     assert max(map(len, ds["input_ids"])) <= max_length
+
+
+def test_a_line_separator_inside_a_json_string_is_text_not_a_line_break(tokenizer, tmp_path):
+    """JSON Lines end at "\\n" only; U+2028 / U+2029 / U+0085 may stand raw in a JSON string (json.dumps with
+    ensure_ascii=False writes them so), and a model's answer can hold them."""
+    conv = [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\u2029d\x85e"}]
+    line = json.dumps({"messages": conv}, ensure_ascii=False) + "\n"
+    (tmp_path / "odd.jsonl").write_text(line * 2)
+    with gzip.open(tmp_path / "odd.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(line * 2)
+    for name in ("odd.jsonl", "odd.jsonl.gz"):
+        assert D.check_json_rows(tmp_path / name) == 2
+        rows = D.build_dataset(D.DataConfig(path=str(tmp_path / name), max_length=1024, cache=False), tokenizer)
+        assert len(rows) == 2
+    assert [r["messages"] for r in core.read_file(tmp_path / "odd.jsonl", "-")] == [conv, conv]
 
 
 def test_no_assistant_is_an_error_by_default(tokenizer, tmp_path):

@@ -149,6 +149,13 @@ def rewrite(rng: random.Random, para: str) -> str:
                        "Fix any grammar problems and make this clearer:\n\n"]) + para
 
 
+def split_of(first_user: str) -> str:
+    """"heldout" for HELDOUT_PERCENT of first user turns by their hash, else "train": a conversation's split never
+    depends on the order or the set it was built in, and its follow-ups share it."""
+    bucket = int(hashlib.sha256(first_user.encode()).hexdigest()[:8], 16) % 100
+    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+
+
 def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
     """n distinct conversations `{"id", "kind", "split", "messages"}`, each ending in a user turn."""
     rng = random.Random(seed)
@@ -188,8 +195,7 @@ def build_prompts(n: int = 3300, seed: int = 0) -> list[dict]:
     for r in rows:
         users = [m["content"] for m in r["messages"] if m["role"] == "user"]
         r["id"] = hashlib.sha256("\n>> ".join(users).encode()).hexdigest()[:16]
-        bucket = int(hashlib.sha256(users[0].encode()).hexdigest()[:8], 16) % 100
-        r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
+        r["split"] = split_of(users[0])
     return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
 
 
@@ -404,14 +410,11 @@ def broad_makers(rng: random.Random, prose: tuple[str, ...]) -> dict:
 def build_broad_prompts(n: int = 2000, seed: int = 0) -> list[dict]:
     """n distinct one-turn conversations `{"id", "kind", "split", "messages"}` of everyday chat tasks
     (broad_makers), the kinds taking turns: more kinds to train on than build_prompts has, none of the other domain's
-    (build_other_prompts), so that domain stays unseen. Split by a hash of the text as `build_prompts` does."""
+    (build_other_prompts), so that domain stays unseen. Split by `split_of` as `build_prompts` is."""
     rng = random.Random(seed)
     prose = stdlib_pools()[3]
-    rows = kinds_taking_turns(lambda: broad_makers(rng, prose), n, "build_broad_prompts")
-    for r in rows:
-        bucket = int(hashlib.sha256(r["messages"][0]["content"].encode()).hexdigest()[:8], 16) % 100
-        r["split"] = "heldout" if bucket < HELDOUT_PERCENT else "train"
-    return [{"id": r["id"], "kind": r["kind"], "split": r["split"], "messages": r["messages"]} for r in rows]
+    return [{"id": r["id"], "kind": r["kind"], "split": split_of(r["messages"][0]["content"]), "messages": r["messages"]}
+            for r in kinds_taking_turns(lambda: broad_makers(rng, prose), n, "build_broad_prompts")]
 
 
 def kinds_in_turn(rows: list[dict]) -> list[dict]:

@@ -102,7 +102,7 @@ def _size(n: float) -> str:
 
 def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_tokens: int = 0,
                 dtype: torch.dtype | str = torch.bfloat16, batch_size: int = 8, meta: dict | None = None,
-                log: Callable[[str], None] = print) -> dict:
+                log: Callable[[str], None] = print, reuse: str | Path | None = None) -> dict:
     """Write the target's `hidden` (and, with `layers`, `aux`) for every row of `dataset` under `out_dir`.
 
     Args:
@@ -112,6 +112,9 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
         shard_tokens: tokens per shard; host memory holds one shard's features, shard_tokens*(1+n)*H values, and an
             interrupted run loses at most one shard's work. 0: as many as fit in SHARD_BYTES.
         meta: provenance kept in the manifest (e.g. the recipe's data config and the command).
+        reuse: an earlier cache of the same target, layers and dtype (e.g. written before data.extra added a source
+            after the first): a shard it holds with the same place in the plan and the same token columns is
+            hard-linked (or copied) instead of recomputed.
     Returns the manifest. Resumes a partial cache of the same target, layers, dtype and data; refuses (CacheError)
     a directory holding anything else, and a disk without room for the remaining shards.
     """
@@ -138,6 +141,7 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
                              "pass a new --out or delete that directory")
     elif out.exists() and any(out.iterdir()):
         raise CacheError(f"{out} exists and is not a hidden-state cache; pass a new --out or empty that directory")
+    reusable = _reusable(Path(reuse), manifest) if reuse is not None else []
     todo = [s for s in shards if not (out / s["file"]).is_file()]
     missing = {s["file"] for s in todo}
     need = sum(s["tokens"] for s in todo) * bytes_per_token
@@ -154,12 +158,49 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
     rows = _rows(dataset)
     for s in shards:
         shard_rows = [next(rows) for _ in range(s["rows"])]
-        if s["file"] in missing:
+        if s["file"] in missing and s in reusable and _same_tokens(Path(reuse) / s["file"], shard_rows):
+            _link(Path(reuse) / s["file"], out / s["file"])
+            log(f"hidden cache: reused {s['file']} of {reuse} ({s['rows']} rows, {s['tokens']} tokens)")
+        elif s["file"] in missing:
             _write_shard(target, shard_rows, layers, out / s["file"], dtype, batch_size)
             log(f"hidden cache: wrote {s['file']} ({s['rows']} rows, {s['tokens']} tokens)")
     manifest["complete"] = True
     _write_json(out / MANIFEST, manifest)
     return manifest
+
+
+def _reusable(other: Path, manifest: dict) -> list[dict]:
+    """The entries of `manifest`'s shard plan that cache `other` holds as files under the same plan entry; refuses a
+    cache of another target, layers or dtype."""
+    if not (other / MANIFEST).is_file():
+        raise CacheError(f"--reuse {other} is not a hidden-state cache (no {MANIFEST}); pass a directory that "
+                         "draftsmith cache wrote")
+    m = read_file(other / MANIFEST, f"delete {other} or pass another cache to --reuse")
+    if any(m[k] != manifest[k] for k in ("format", "target_sha256", "layers", "teacher", "dtype", "bytes_per_token")):
+        raise CacheError(f"--reuse {other} holds a cache of another target, layers or dtype; pass one written with "
+                         "this recipe's target and eagle settings, or drop --reuse")
+    return [s for s in manifest["shards"] if s in m["shards"] and (other / s["file"]).is_file()]
+
+
+def _same_tokens(path: Path, rows: list[dict]) -> bool:
+    """Whether the shard file at `path` holds exactly `rows`' token columns (a reordered or edited dataset is not)."""
+    f = open_safetensors(path, f"delete {path} or pass another cache to --reuse")
+    for k in TOKEN_KEYS:
+        written = f.get_tensor(k)  # [T]
+        if not torch.equal(written, torch.tensor([t for r in rows for t in r[k]], dtype=written.dtype)):
+            return False
+    return True
+
+
+def _link(src: Path, dst: Path) -> None:
+    """dst as a hard link to src (no disk used), or a copy on another file system; whole or absent, like a shard."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 @torch.no_grad()

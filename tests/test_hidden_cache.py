@@ -147,6 +147,35 @@ def test_interrupted_write_resumes_at_the_first_missing_shard(target, rows, tmp_
         assert torch.equal(a[i]["hidden"], b[i]["hidden"]) and torch.equal(a[i]["aux"], b[i]["aux"])
 
 
+def test_reuse_links_the_shards_an_earlier_cache_holds_and_writes_the_rest(target, rows, tmp_path, monkeypatch):
+    whole = write_cache(target, rows, LAYERS, tmp_path / "whole", shard_tokens=300, dtype="float32",
+                        log=lambda s: None)
+    first = write_cache(target, rows[:5], LAYERS, tmp_path / "first", shard_tokens=300, dtype="float32",
+                        log=lambda s: None)  # the first source alone; a second one is appended below
+    common = [s for s in first["shards"] if s in whole["shards"]]
+    assert 0 < len(common) < len(whole["shards"])
+    edited = [dict(r) for r in rows]
+    edited[0]["input_ids"] = [edited[0]["input_ids"][1], *edited[0]["input_ids"][1:]]  # shard 0: same plan, new text
+    real, written = hc._write_shard, []
+    monkeypatch.setattr(hc, "_write_shard", lambda *a: (written.append(a[3].name), real(*a)))
+    write_cache(target, edited, LAYERS, tmp_path / "c", shard_tokens=300, dtype="float32", log=lambda s: None,
+                reuse=tmp_path / "first")
+    assert written == [s["file"] for s in whole["shards"] if s not in common[1:]]
+    for s in common[1:]:
+        assert (tmp_path / "c" / s["file"]).stat().st_ino == (tmp_path / "first" / s["file"]).stat().st_ino
+    a, b = HiddenCache(tmp_path / "whole"), HiddenCache(tmp_path / "c", target, LAYERS)
+    for i in range(1, len(rows)):
+        assert b[i]["input_ids"] == rows[i]["input_ids"]
+        assert torch.equal(a[i]["hidden"], b[i]["hidden"]) and torch.equal(a[i]["aux"], b[i]["aux"])
+    assert b[0]["input_ids"] == edited[0]["input_ids"]
+    with pytest.raises(CacheError, match="--reuse .* holds a cache of another target, layers or dtype"):
+        write_cache(target, rows, LAYERS, tmp_path / "bf16", shard_tokens=300, log=lambda s: None,
+                    reuse=tmp_path / "first")
+    with pytest.raises(CacheError, match="--reuse .* is not a hidden-state cache"):
+        write_cache(target, rows, LAYERS, tmp_path / "d", log=lambda s: None, reuse=tmp_path / "nothing")
+    assert not (tmp_path / "bf16").exists() and not (tmp_path / "d").exists()
+
+
 def test_a_cache_of_another_target_or_other_layers_is_refused(target, rows, tmp_path):
     write_cache(target, rows[:3], LAYERS, tmp_path, log=lambda s: None)
     retrained = Target(LlamaForCausalLM(target.config), None, "retrained")  # same config, other weights

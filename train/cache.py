@@ -5,7 +5,8 @@
 Reads the same recipe as train/eagle.py or train/p_eagle.py (same target, data pipeline, overrides), stores only
 the layers the method reads (EAGLE-1: the final hidden state; EAGLE-3: that plus `eagle.aux_layers`, or
 the EAGLE default), prints the disk estimate first and refuses when the disk cannot hold it, and
-resumes an interrupted run when called again with the same arguments. Layout: data/hidden_cache.py.
+resumes an interrupted run when called again with the same arguments; `--reuse DIR` takes the shards an earlier
+cache holds already (same rows at the same place: a source added after the first). Layout: data/hidden_cache.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shard-tokens", type=int, default=0,
                         help="tokens per shard (bounds host memory and the work an interruption loses); 0: 512 MiB")
     parser.add_argument("--batch-size", type=int, default=0, help="rows per target forward; 0: loop.batch_size")
+    parser.add_argument("--reuse", default=None, help="an earlier cache of this target and layers (e.g. before "
+                        "data.extra added a source): its shards holding the same rows are linked, not recomputed")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. data.limit=100")
     args = parser.parse_args(argv)
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"recipe": C.to_dict(cfg), "data_key": cache_key(cfg.data, target.tokenizer), "command": command}
     try:
         return write_cache(target, rows, layers, args.out, args.shard_tokens, args.dtype,
-                           args.batch_size or cfg.loop.batch_size, meta)
+                           args.batch_size or cfg.loop.batch_size, meta, reuse=args.reuse)
     except CacheError as e:
         if argv is not None:
             raise

@@ -24,6 +24,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -111,6 +112,21 @@ def what_is_wrong(e: Exception) -> str:
     return f"does not read ({one_line(e)[:160]})"
 
 
+def json_lines(text: str) -> list[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of JSON Lines text. Lines end at "\\n" alone (not splitlines: a JSON
+    string may hold U+2028 raw). A line that does not parse raises json.JSONDecodeError placed in the whole text, so
+    its lineno is the file's line."""
+    rows, start = [], 0
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise json.JSONDecodeError(e.msg, text, start + e.pos) from None
+        start += len(line) + 1
+    return rows
+
+
 def read_file(path: str | Path, fix: str):
     """A file by its suffix: .json -> its value, .jsonl -> a list of rows, .yaml/.yml -> its value, .safetensors ->
     {name: tensor}, .pt/.bin -> torch.load(weights_only=True). A missing, truncated or unparseable file, an empty one
@@ -131,14 +147,7 @@ def read_file(path: str | Path, fix: str):
             return torch.load(path, weights_only=True)
         text = path.read_text()
         if kind == ".jsonl":
-            rows = []
-            for n, line in enumerate(text.split("\n"), 1):  # not splitlines: a JSON string may hold U+2028 raw
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DamagedFile(f"{path}:{n}: not valid JSON ({e.msg}); {fix}") from None
-            return rows
+            return [row for _, row in json_lines(text)]
         if kind in (".yaml", ".yml"):
             return yaml.safe_load(text)
         return json.loads(text)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import datasets
 
 from draftsmith.data.chat import NoAssistantTokens, UnreadableContent, to_messages, tokenize_example
-from draftsmith.data.core import ConfigError, read_file
+from draftsmith.data.core import ConfigError, json_lines, read_file
 from draftsmith.data.packing import pack
 
 log = logging.getLogger("draftsmith.data")
@@ -124,21 +124,13 @@ def check_json_rows(path: Path, keys: tuple[str, ...] = ("messages", "conversati
     text = (gzip.decompress(raw) if path.suffix.lower() == ".gz" else raw).decode("utf-8", errors="replace")
     if not text.strip():
         raise ValueError(f"{what} {path} is empty; give a file with one JSON object per line (keys {list(keys)})")
-    rows: list[tuple[int, Any]]
-    if path.name.lower().endswith((".json", ".json.gz")) and text.lstrip().startswith("["):
-        try:
+    try:
+        if path.name.lower().endswith((".json", ".json.gz")) and text.lstrip().startswith("["):
             rows = [(0, r) for r in json.loads(text)]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
-    else:
-        rows = []
-        for n, line in enumerate(text.split("\n"), 1):  # JSON Lines end at "\n" only: a string may hold U+2028
-            if line.strip():
-                try:
-                    rows.append((n, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg}); fix that line (one JSON object per "
-                                     "line)") from None
+        else:
+            rows = json_lines(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix that line") from None
     for i, (n, row) in enumerate(rows):
         where = f"{path}:{n}" if n else f"{path} (element {i})"
         if not isinstance(row, dict) or not any(k in row for k in keys):

@@ -90,10 +90,19 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
     return shards
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def _atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`path` whole or absent: `write(tmp)` fills a sibling .tmp (removed first, so a link can take its name), which is
+    synced to disk and then renamed over `path`."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.unlink(missing_ok=True)
+    write(tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    _atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 def _size(n: float) -> str:
@@ -118,7 +127,7 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
     Returns the manifest. Resumes a partial cache of the same target, layers, dtype and data; refuses (CacheError)
     a directory holding anything else, and a disk without room for the remaining shards.
     """
-    out = Path(out_dir)
+    out, reuse = Path(out_dir), Path(reuse) if reuse is not None else None
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     H = target.config.get_text_config().hidden_size
     digest, lengths = hashlib.sha256(), []
@@ -141,7 +150,7 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
                              "pass a new --out or delete that directory")
     elif out.exists() and any(out.iterdir()):
         raise CacheError(f"{out} exists and is not a hidden-state cache; pass a new --out or empty that directory")
-    reusable = _reusable(Path(reuse), manifest) if reuse is not None else []
+    reusable = _reusable(reuse, manifest) if reuse is not None else []
     todo = [s for s in shards if not (out / s["file"]).is_file()]
     missing = {s["file"] for s in todo}
     need = sum(s["tokens"] for s in todo) * bytes_per_token
@@ -158,8 +167,8 @@ def write_cache(target, dataset, layers: list[int], out_dir: str | Path, shard_t
     rows = _rows(dataset)
     for s in shards:
         shard_rows = [next(rows) for _ in range(s["rows"])]
-        if s["file"] in missing and s in reusable and _same_tokens(Path(reuse) / s["file"], shard_rows):
-            _link(Path(reuse) / s["file"], out / s["file"])
+        if s["file"] in missing and s in reusable and _same_tokens(reuse / s["file"], shard_rows):
+            _link(reuse / s["file"], out / s["file"])
             log(f"hidden cache: reused {s['file']} of {reuse} ({s['rows']} rows, {s['tokens']} tokens)")
         elif s["file"] in missing:
             _write_shard(target, shard_rows, layers, out / s["file"], dtype, batch_size)
@@ -185,22 +194,23 @@ def _reusable(other: Path, manifest: dict) -> list[dict]:
 def _same_tokens(path: Path, rows: list[dict]) -> bool:
     """Whether the shard file at `path` holds exactly `rows`' token columns (a reordered or edited dataset is not)."""
     f = open_safetensors(path, f"delete {path} or pass another cache to --reuse")
-    for k in TOKEN_KEYS:
-        written = f.get_tensor(k)  # [T]
-        if not torch.equal(written, torch.tensor([t for r in rows for t in r[k]], dtype=written.dtype)):
-            return False
-    return True
+    return all(torch.equal(f.get_tensor(k), v) for k, v in _token_columns(rows).items())
 
 
 def _link(src: Path, dst: Path) -> None:
     """dst as a hard link to src (no disk used), or a copy on another file system; whole or absent, like a shard."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    def put(tmp: Path) -> None:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+    _atomically(dst, put)
+
+
+def _token_columns(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """`rows`' TOKEN_KEYS concatenated, each [T], in the dtypes a shard stores them in."""
+    return {k: torch.tensor([t for r in rows for t in r[k]], dtype=torch.int8 if k == "loss_mask" else torch.int32)
+            for k in TOKEN_KEYS}
 
 
 @torch.no_grad()
@@ -222,8 +232,7 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
     lengths = torch.tensor([len(r["input_ids"]) for r in rows])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # [r + 1]
     H, T = target.config.get_text_config().hidden_size, int(offsets[-1])
-    tensors = {k: torch.tensor([t for r in rows for t in r[k]], dtype=torch.int8 if k == "loss_mask" else torch.int32)
-               for k in TOKEN_KEYS}  # each [T]
+    tensors = _token_columns(rows)
     tensors["offsets"] = offsets
     tensors["hidden"] = torch.empty(T, H, dtype=dtype)
     if layers:
@@ -241,11 +250,7 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
                 tensors["aux"][a:b] = aux[j, : b - a].to("cpu", dtype)  # [len, n*H]
                 log_z, greedy = teacher_stats(target, tap.hidden[j, : b - a], LOGIT_CHUNK)  # [len] each
                 tensors["log_z"][a:b], tensors["greedy"][a:b] = log_z.cpu(), greedy.cpu()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, tmp, metadata={"format": FORMAT})
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    _atomically(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
 
 
 class CachedRow(Mapping):

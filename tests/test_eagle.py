@@ -771,3 +771,23 @@ def test_recipe_trains_measures_tau_and_keeps_a_loadable_best(entry, recipe, mod
     ids = target.tokenizer("def f(x):\n    return", return_tensors="pt")["input_ids"]
     spec, _ = speculative_generate(target.model, proposer, ids, 12, eos_token_id=[])
     assert torch.equal(spec, plain_generate(target.model, ids, 12, eos_token_id=[])[0])
+
+
+def test_a_run_started_from_another_keeps_its_draft_vocabulary(tiny_chat_target, tmp_path):
+    """loop.init_from fine-tunes a trained EAGLE-3 drafter on other data: the head's rows stay the checkpoint's draft
+    vocabulary, not the one the new data would pick."""
+    quiet = ["eval.num_prompts=0", "loop.best_metric=", "eagle.ttt_steps=2", "eagle.draft_vocab_size=200",
+             "loop.max_steps=2"]
+    run_recipe("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", tiny_chat_target, tmp_path / "a", *quiet)
+    run_recipe("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", tiny_chat_target, tmp_path / "fresh", *quiet,
+               "data.limit=6")
+    init = tmp_path / "a" / "checkpoint-2"
+    run_recipe("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", tiny_chat_target, tmp_path / "b", *quiet,
+               "data.limit=6", f"loop.init_from={init}")
+
+    def vocab(run):
+        return json.loads((run / "checkpoint-2" / "state.json").read_text())["method"]["draft_ids"]
+    assert vocab(tmp_path / "b") == vocab(tmp_path / "a") != vocab(tmp_path / "fresh")
+    with pytest.raises(C.ConfigError, match=r"has a draft vocabulary of 200 tokens; set eagle.draft_vocab_size=200"):
+        run_recipe("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", tiny_chat_target, tmp_path / "c", *quiet,
+                   f"loop.init_from={init}", "eagle.draft_vocab_size=100")

@@ -164,6 +164,32 @@ def test_resume_refuses_a_checkpoint_of_another_method(tmp_path):
         Loop(loop_cfg(tmp_path, max_steps=4), other, Recorder())
 
 
+def test_init_from_starts_from_a_checkpoints_weights_with_a_fresh_optimizer_and_yields_to_a_resume(tmp_path):
+    Loop(loop_cfg(tmp_path / "a", max_steps=4), tiny_method(), Recorder()).run()
+    trained = final_weights(tmp_path / "a", 4)
+    init = str(tmp_path / "a" / "checkpoint-4")
+    b = Loop(loop_cfg(tmp_path / "b", max_steps=4, init_from=init), tiny_method(seed=123), Recorder())
+    assert_bitwise_equal({n: p.detach() for n, p in b.unwrapped.named_parameters()}, trained)
+    assert b.state.step == 0 and not b.optimizer.state_dict()["state"]  # a fresh optimizer and schedule
+    b.run()
+    assert not torch.equal(final_weights(tmp_path / "b", 4)["model.lm_head.weight"], trained["model.lm_head.weight"])
+    again = Loop(loop_cfg(tmp_path / "b", max_steps=8, init_from=init), tiny_method(seed=123), Recorder())
+    assert again.state.step == 4  # its own checkpoint resumes; init_from is not applied over it
+    assert_bitwise_equal({n: p.detach() for n, p in again.unwrapped.named_parameters()},
+                         final_weights(tmp_path / "b", 4))
+
+
+def test_init_from_refuses_what_is_not_a_checkpoint_of_this_method(tmp_path):
+    Loop(loop_cfg(tmp_path / "a", max_steps=4), tiny_method(), Recorder()).run()
+    with pytest.raises(ValueError, match=r"loop.init_from=.*nowhere: not a directory; pass loop.init_from= a "):
+        Loop(loop_cfg(tmp_path / "b", init_from=str(tmp_path / "nowhere")), tiny_method(), Recorder())
+    other = tiny_method()
+    other.model.lm_head.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="cannot start from .*another model shape .*tensors differ.*without loop.init_from"):
+        Loop(loop_cfg(tmp_path / "c", init_from=str(tmp_path / "a" / "checkpoint-4")), other, Recorder())
+    assert not [p for run in ("b", "c") for p in (tmp_path / run).iterdir()]  # nothing written, the lock released
+
+
 def test_frozen_parameters_are_not_checkpointed(tmp_path):
     method = tiny_method()
     for p in method.model.model.parameters():

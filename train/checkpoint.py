@@ -241,7 +241,8 @@ class Checkpoints:
             acc.load_state(str(ckpt / "deepspeed"), load_module_strict=False)
         else:
             weights = read_file(ckpt / "trainable.safetensors", fix)
-            self._check_fits(ckpt, {n: tuple(t.shape) for n, t in weights.items()})
+            self._check_fits(ckpt, model, weights, "resume", "restore those values to resume, or train afresh in a "
+                             "new loop.output_dir (or loop.resume=never)")
             # whole state dicts by parameter name, sharded here as this launch shards (FSDP2) or copied (DDP)
             options = StateDictOptions(full_state_dict=dist.is_initialized(), strict=False)
             set_model_state_dict(self.method, weights, options=options)
@@ -266,18 +267,32 @@ class Checkpoints:
                   + (f" ({world} processes wrote it, {acc.num_processes} resume it)" if world != acc.num_processes else "")
                   + (f" (written under {written}, resumed under {self.backend})" if written != self.backend else ""))
 
-    def _check_fits(self, ckpt: Path, shapes: dict[str, tuple]) -> None:
-        """Refuse a checkpoint whose trainable tensors (names, shapes) differ from this method's, naming the config
-        keys (outside loop and eval) that changed since it was written."""
-        mine = {n: tuple(p.shape) for n, p in self.unwrapped.named_parameters() if p.requires_grad}
+    def start_from(self, method: nn.Module, ckpt: Path) -> None:
+        """Load the trained weights of `ckpt` (loop.init_from) into the method before it is prepared; the optimizer,
+        schedule and data position start afresh."""
+        fix = "pass loop.init_from= a checkpoint-<step> directory of a run of this method"
+        why = guard.verify(ckpt) if ckpt.is_dir() else "not a directory"
+        if why:
+            raise ValueError(f"loop.init_from={ckpt}: {why}; {fix}")
+        weights = read_file(ckpt / "trainable.safetensors", fix)
+        self._check_fits(ckpt, method, weights, "start from", "set those keys as it was trained, or start afresh "
+                         "without loop.init_from")
+        method.load_state_dict(weights, strict=False)  # the trainable tensors, all of them (checked just above)
+        step = read_file(ckpt / "state.json", fix)["step"]
+        self.accelerator.print(f"started from the weights of {ckpt} (step {step}); optimizer and schedule afresh")
+
+    def _check_fits(self, ckpt: Path, model: nn.Module, weights: dict[str, torch.Tensor], verb: str, fix: str) -> None:
+        """Refuse a checkpoint whose trainable tensors (names, shapes) differ from the model's, naming the config keys
+        (outside loop and eval) that changed since it was written."""
+        mine = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+        shapes = {n: tuple(t.shape) for n, t in weights.items()}
         if mine == shapes:
             return
         old = read_file(ckpt / "config.yaml", "set loop.resume=never") if (ckpt / "config.yaml").is_file() else {}
         changed = [c for c in config_changes(old, self.run_config) if not c.startswith(("loop.", "eval."))]
         diff = sorted(set(mine) ^ set(shapes)) or sorted(n for n in mine if mine[n] != shapes[n])
         why = f"changed keys: {'; '.join(changed)}" if changed else f"tensors differ: {diff[:3]}"
-        raise ConfigError(f"cannot resume {ckpt}: it was trained with another model shape ({why}); restore those "
-                          "values to resume, or train afresh in a new loop.output_dir (or loop.resume=never)")
+        raise ConfigError(f"cannot {verb} {ckpt}: it was trained with another model shape ({why}); {fix}")
 
 
 @contextlib.contextmanager

@@ -57,6 +57,9 @@ class LoopConfig:
     divergence_factor: float = 10.0
     divergence_window: int = 20
     resume: Literal["auto", "never"] = "auto"
+    # a checkpoint (RUN/checkpoint-<step>) of this method whose trained weights start the run, with a fresh optimizer,
+    # schedule and data position: a trained drafter fine-tuned on new data. This run's own checkpoints resume first
+    init_from: str = ""
     log_every: int = 10
     tracker: Literal["none", "wandb", "tensorboard", "trackio"] = "none"
     project: str = "draftsmith"

@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from draftsmith.data.core import read_file
 from draftsmith.data.dataset import DataConfig, build_dataset, cache_key
 from draftsmith.data.hidden_cache import HiddenCache, collate_features, teacher_stats
 from draftsmith.decoding.evaluate import decode_metric_names
@@ -120,8 +121,20 @@ def metric_names(cfg: Recipe) -> list[str]:
 
 
 def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
-    """EAGLE-3's draft vocabulary from the training rows' loss-masked tokens (None: EAGLE-1's whole vocabulary)."""
-    return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size) if cfg.eagle.version == 3 else None
+    """EAGLE-3's draft vocabulary: that of the checkpoint loop.init_from names (its head's rows), else the training
+    rows' most frequent loss-masked tokens (None: EAGLE-1's whole vocabulary)."""
+    if cfg.eagle.version != 3:
+        return None
+    if cfg.loop.init_from:
+        state = read_file(Path(cfg.loop.init_from) / "state.json", "pass loop.init_from= a checkpoint-<step> "
+                          "directory of an EAGLE-3 run")
+        ids = (state.get("method") or {}).get("draft_ids")
+        if ids is not None:
+            if len(ids) != cfg.eagle.draft_vocab_size:
+                raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of {len(ids)} tokens; "
+                                  f"set eagle.draft_vocab_size={len(ids)}")
+            return torch.tensor(ids)
+    return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size)
 
 
 def checkpoint_evaluator(cfg: Recipe, target, heldout: list[dict]) -> Callable[[Eagle, int], dict]:

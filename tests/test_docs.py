@@ -6,6 +6,7 @@
 lives in git. (b) Every `draftsmith ...`, `python scripts/...`, `bash scripts/...` and `accelerate launch train/...`
 command written in README.md and docs/*.md exists: each draftsmith command answers `--help` (in this process),
 each script answers `--help`, each named recipe and entry script is a file.
+(c) pyproject.toml lists every folder the wheel ships package data from.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,18 @@ def test_a_written_command_exists(check, capsys):
         else:
             run(["--help"])
         assert capsys.readouterr().out.strip(), f"{where}: --help printed nothing"
+
+
+def test_every_folder_of_package_data_is_a_listed_package():
+    """setuptools takes each folder that holds package data and has an importable name for a package, and warns (a
+    warning it will make an error) unless pyproject.toml lists it: the list must follow the tree."""
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = set()
+    for package, globs in tool["package-data"].items():
+        root = REPO / tool["package-dir"][package]
+        for glob in globs:
+            for f in root.glob(glob):
+                parts = f.parent.relative_to(root).parts
+                if f.is_file() and all(part.isidentifier() for part in parts):
+                    folders.add(".".join([package, *parts]))
+    assert folders - set(tool["packages"]) == set()

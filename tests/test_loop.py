@@ -136,6 +136,25 @@ def test_best_checkpoint_and_early_stop(tmp_path):
     assert all(0 < r["eval_share"] < 1 for r in rows if "eval/tau" in r)  # evaluations' share of the run's time
 
 
+def test_eval_share_counts_every_launch_of_a_resumed_run(tmp_path):
+    def slow(m, step):
+        time.sleep(0.3)
+        return {"tau": 1.0}
+    Loop(loop_cfg(tmp_path, max_steps=8, save_every=4), tiny_method(), Recorder(), evaluate=slow).run()
+    (tmp_path / "metrics.jsonl").unlink()
+    shutil.rmtree(tmp_path / "checkpoint-8")  # resumed from checkpoint-4: 0.3 s of evaluation in its wall time
+    first = json.loads((tmp_path / "checkpoint-4" / "state.json").read_text())
+    assert first["eval_seconds"] >= 0.3 and first["wall_seconds"] > first["eval_seconds"]
+    Loop(loop_cfg(tmp_path, max_steps=6, save_every=2), tiny_method(), Recorder(),
+         evaluate=lambda m, step: {"tau": 1.0}).run()
+    state = json.loads((tmp_path / "checkpoint-6" / "state.json").read_text())
+    assert state["eval_seconds"] >= 0.3 and state["wall_seconds"] > first["wall_seconds"]
+    share = [json.loads(line)["eval_share"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "eval_share" in line][-1]
+    # the whole run's evaluation seconds over its wall time: this launch's own evaluation took almost none
+    assert share == pytest.approx(state["eval_seconds"] / state["wall_seconds"], rel=0.05)
+
+
 class Diverging(CausalLM):
     def forward(self, batch):
         loss, metrics = super().forward(batch)

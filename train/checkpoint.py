@@ -24,6 +24,7 @@ import contextlib
 import json
 import random
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,8 @@ class LoopState:
     best_value: float | None = None
     evals_since_best: int = 0
     train_seconds: float = 0.0  # wall time spent in training steps (evaluations and saves excluded)
+    eval_seconds: float = 0.0  # wall time spent in checkpoint evaluations
+    wall_seconds: float = 0.0  # wall time of the run's launches, each up to its last checkpoint
     world_size: int = 1  # processes that wrote the checkpoint (micro_batch counts global micro-batches of it)
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
@@ -206,6 +209,7 @@ class Checkpoints:
         tensors, meta = _rng_state()
         save_file(tensors, d / "rng.safetensors")
         extra = model.extra_state()
+        self.state.wall_seconds = time.perf_counter() - self.started
         (d / "state.json").write_text(json.dumps({**self.state.__dict__, "backend": self.backend, "rng": meta,
                                                   "metrics": metrics, "method": extra}))
         (d / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
@@ -283,13 +287,13 @@ class Checkpoints:
 
     def _check_fits(self, ckpt: Path, model: nn.Module, weights: dict[str, torch.Tensor], verb: str, fix: str) -> None:
         """Refuse a checkpoint whose trainable tensors (names, shapes) differ from the model's, naming the config keys
-        (outside loop and eval) that changed since it was written."""
+        that changed since it was written (outside loop, eval and data, which shape no tensor)."""
         mine = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         shapes = {n: tuple(t.shape) for n, t in weights.items()}
         if mine == shapes:
             return
         old = read_file(ckpt / "config.yaml", "set loop.resume=never") if (ckpt / "config.yaml").is_file() else {}
-        changed = [c for c in config_changes(old, self.run_config) if not c.startswith(("loop.", "eval."))]
+        changed = [c for c in config_changes(old, self.run_config) if not c.startswith(("loop.", "eval.", "data."))]
         diff = sorted(set(mine) ^ set(shapes)) or sorted(n for n in mine if mine[n] != shapes[n])
         why = f"changed keys: {'; '.join(changed)}" if changed else f"tensors differ: {diff[:3]}"
         raise ConfigError(f"cannot {verb} {ckpt}: it was trained with another model shape ({why}); {fix}")

@@ -131,8 +131,8 @@ def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
         ids = (state.get("method") or {}).get("draft_ids")
         if ids is not None:
             if len(ids) != cfg.eagle.draft_vocab_size:
-                raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of {len(ids)} tokens; "
-                                  f"set eagle.draft_vocab_size={len(ids)}")
+                raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of {len(ids)} "
+                                    f"tokens; set eagle.draft_vocab_size={len(ids)}")
             return torch.tensor(ids)
     return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size)
 

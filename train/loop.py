@@ -319,7 +319,7 @@ class Loop(Checkpoints):
         self.bar = tqdm(total=total, initial=done, dynamic_ncols=True, leave=False,
                         bar_format="{l_bar}{bar}| {elapsed}<{remaining}{postfix}" if self.cfg.max_minutes else None,
                         disable=not self.accelerator.is_main_process)
-        self.started, self.eval_seconds = time.perf_counter(), 0.0  # for eval_share
+        self.started = time.perf_counter() - self.state.wall_seconds  # for eval_share, over every launch of the run
         try:
             with guard.StopSignals() as signals:
                 return self._run(signals)
@@ -426,7 +426,8 @@ class Loop(Checkpoints):
     def checkpoint(self) -> bool:
         """Evaluate (every rank its share of the prompts, statistics gathered; in lockstep when the target is
         sharded), save, and say whether early stopping is due. The time spent here is not training time;
-        `eval_share` is the evaluations' share of the wall time since `run` started."""
+        `eval_share` is the evaluations' share of the run's wall time, over its launches (each counted up to its
+        last checkpoint: what a resume repeats is not)."""
         metrics = {}
         if self.evaluate is not None:
             t = time.perf_counter()
@@ -438,10 +439,10 @@ class Loop(Checkpoints):
             self.method.train()
             metrics = broadcast_object_list([metrics])[0]  # rank 0's figures (per-rank timings differ)
             now = time.perf_counter()
-            self.eval_seconds += now - t
+            self.state.eval_seconds += now - t
             metrics["eval_seconds"] = now - t
             self.log({**{f"eval/{k}": v for k, v in metrics.items()},
-                      "eval_share": self.eval_seconds / max(1e-9, now - self.started)})
+                      "eval_share": self.state.eval_seconds / max(1e-9, now - self.started)})
         self.save(metrics, self._update_best(metrics))
         p = self.cfg.early_stop_patience
         return bool(p) and self.state.evals_since_best >= p

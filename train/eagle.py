@@ -106,7 +106,8 @@ def offline_rows(cfg: Recipe, target) -> HiddenCache:
     written = cache.manifest["meta"].get("data_key")
     if written != cache_key(cfg.data, target.tokenizer):
         raise ValueError(f"offline.path={cfg.offline.path} was written from other data than this recipe's `data` "
-                         "section; rewrite it with draftsmith cache and this recipe")
+                         "section, or by another version of the data pipeline; rewrite it with draftsmith cache and "
+                         f"this recipe (`--reuse {cfg.offline.path}` links the shards whose tokens are unchanged)")
     return cache
 
 

@@ -167,21 +167,20 @@ class Loop(Checkpoints):
         self.spent_seconds = 0.0  # training time of the slowest rank, which the schedules and loop.max_minutes read
         method.progress = lambda: self.progress
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, self.spent_seconds))
-        found = None
+        if cfg.init_from and not (cfg.resume == "auto" and checkpoints(self.run_dir)):  # a resume comes first
+            self.start_from(method, Path(cfg.init_from))  # before prepare, which copies or shards the weights
+        self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
+        self.state = LoopState(world_size=self.accelerator.num_processes)
+        self.saved_step = -1  # step of the last checkpoint written or loaded
+        self.losses: list[float] = []  # recent step losses, for the divergence stop
         if cfg.resume == "auto":
             found = newest_verified(self.run_dir, self.accelerator.print) if self.accelerator.is_main_process else None
             found = broadcast_object_list([found])[0]
             if found is None and checkpoints(self.run_dir):
                 raise ValueError(f"no checkpoint in {self.run_dir} verifies (see the warnings above); set "
                                  "loop.resume=never with a new loop.output_dir to start afresh")
-        if found is None and cfg.init_from:
-            self.start_from(method, Path(cfg.init_from))  # before prepare, which copies or shards the weights
-        self.method, self.optimizer, self.scheduler = self.accelerator.prepare(method, optimizer, scheduler)
-        self.state = LoopState(world_size=self.accelerator.num_processes)
-        self.saved_step = -1  # step of the last checkpoint written or loaded
-        self.losses: list[float] = []  # recent step losses, for the divergence stop
-        if found is not None:
-            self.load(found)
+            if found is not None:
+                self.load(found)
         if self.accelerator.is_main_process:  # only now that the resume is decided
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))

@@ -3,6 +3,7 @@
 - errors a user can act on (`ConfigError`, `DiskFull`, `DamagedFile`) and the free-space checks behind `DiskFull`;
 - `read_file` / `open_safetensors`: the one way every file draftsmith wrote or was handed is opened (JSON, JSON
   lines, YAML, safetensors, torch), refusing a damaged one in one line with its path, what is wrong and the fix;
+- `write_atomically`: a file written whole or not at all (temp file + rename);
 - the batch contract: rows of `input_ids`, `loss_mask`, `position_ids` (lists of equal length per row) and
   `collate`, which stacks them into tensors;
 - the run-directory layout a training run writes and everything else reads:
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +128,17 @@ def json_lines(text: str) -> list[tuple[int, Any]]:
                 raise json.JSONDecodeError(e.msg, text, start + e.pos) from None
         start += len(line) + 1
     return rows
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`path` whole or absent: `write(tmp)` fills a sibling .tmp (removed first, so a link can take its name), which is
+    synced to disk and then renamed over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    write(tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def read_file(path: str | Path, fix: str):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.data.core import collate, open_safetensors, read_file, safetensors_damage
+from draftsmith.data.core import collate, open_safetensors, read_file, safetensors_damage, write_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = "draftsmith-hidden-cache/1"
@@ -90,19 +90,8 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[dict]:
     return shards
 
 
-def _atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """`path` whole or absent: `write(tmp)` fills a sibling .tmp (removed first, so a link can take its name), which is
-    synced to disk and then renamed over `path`."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    write(tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj: dict) -> None:
-    _atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
 
 def _size(n: float) -> str:
@@ -204,7 +193,7 @@ def _link(src: Path, dst: Path) -> None:
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
-    _atomically(dst, put)
+    write_atomically(dst, put)
 
 
 def _token_columns(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -250,7 +239,7 @@ def _write_shard(target, rows: list[dict], layers: list[int], path: Path, dtype:
                 tensors["aux"][a:b] = aux[j, : b - a].to("cpu", dtype)  # [len, n*H]
                 log_z, greedy = teacher_stats(target, tap.hidden[j, : b - a], LOGIT_CHUNK)  # [len] each
                 tensors["log_z"][a:b], tensors["greedy"][a:b] = log_z.cpu(), greedy.cpu()
-    _atomically(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
+    write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata={"format": FORMAT}))
 
 
 class CachedRow(Mapping):

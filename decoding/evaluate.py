@@ -65,11 +65,14 @@ def _seeded(temperature: float, seed: int, sampling: dict) -> Sampling:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's share of an evaluation: prompts[rank::world]; lockstep as in the module docstring."""
+    """This process's share of an evaluation: prompts[rank::world]; lockstep as in the module docstring. `meet`, if
+    given, is called before the statistics are gathered: the training loop's wait for every rank, which lets a rank
+    whose share decodes longer take longer than a collective's timeout."""
 
     rank: int = 0
     world: int = 1
     lockstep: bool = False
+    meet: Callable[[], None] | None = None
 
     def rounds(self, n: int) -> list[int | None]:
         """Global indices of the prompts this rank decodes; None: a lockstep round with nothing left to decode."""
@@ -82,6 +85,8 @@ class Shard:
             return stats, matches
         from torch import distributed as dist
 
+        if self.meet is not None:
+            self.meet()
         parts: list = [None] * self.world
         dist.all_gather_object(parts, (stats, matches))
         merged = DecodeStats()

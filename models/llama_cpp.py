@@ -19,6 +19,7 @@ converter puts it first on its path): this project never names llama.cpp's tenso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from draftsmith.data.core import one_line, read_drafter_meta
+from draftsmith.data.process import Child
 from draftsmith.models.export import Format
 from draftsmith.models.target import target_fields
 
@@ -155,9 +157,10 @@ def read_gguf(path: Path) -> dict:
 
 
 class Server:
-    """llama-server on 127.0.0.1 at a free port, started by `with` and stopped at its end; `complete` decodes token ids
-    and returns llama.cpp's own counts for that request (its /metrics before and after: the slot's statistics are
-    added there when the request ends): draft tokens, accepted, verification steps and accepted by draft position.
+    """llama-server on 127.0.0.1 at a free port, started by `with` and stopped at its end, or when this process is
+    interrupted or sent SIGTERM (data/process.py); `complete` decodes token ids and returns llama.cpp's own counts
+    for that request (its /metrics before and after: the slot's statistics are added there when the request ends):
+    draft tokens, accepted, verification steps and accepted by draft position.
 
     args: more llama-server options (the speculative ones: --spec-type, -md, --spec-draft-n-max ...); slots: requests
     served at once, each with a context of `ctx` tokens."""
@@ -172,31 +175,29 @@ class Server:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
-        self.proc = subprocess.Popen([*self.cmd, "--port", str(port)], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                tail = " | ".join(self.log.read().strip().splitlines()[-3:])
-                self.__exit__()
-                raise RuntimeError(f"llama-server did not start ({' '.join(self.cmd)}): {tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
+        with contextlib.ExitStack() as stack:  # kept open (pop_all) once the server answers; closed on any failure
+            self.log = stack.enter_context(tempfile.TemporaryFile("w+"))
+            self.proc = stack.enter_context(Child([*self.cmd, "--port", str(port)], stdout=self.log,
+                                                  stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + 300
+            while not self._healthy():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    tail = " | ".join(self.log.read().strip().splitlines()[-3:])
+                    raise RuntimeError(f"llama-server did not start ({' '.join(self.cmd)}): {tail}")
                 time.sleep(0.5)
+            self.stack = stack.pop_all()
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        self.stack.close()  # the server stopped (data/process.py), then its log closed
 
     def _get(self, path: str, body: dict | None = None):
         data = json.dumps(body).encode() if body is not None else None

@@ -8,13 +8,19 @@ what was tried, the exit status, the message the user saw (the last line of the 
 Python traceback was shown, what was left on disk (the run directory, each checkpoint and whether its
 manifest verifies), and whether all of that matched what the case expects (`ok`). Free space cannot be
 filled safely on a shared machine, so the two disk cases shrink the free space `shutil.disk_usage`
-reports inside the command's own process (`simulated`: true).
+reports inside the command's own process (`simulated`: true). The server cases run `draftsmith regenerate
+--server` against a scripted fake server in this process (tests/openai_server.py) with the retry backoff shortened
+to 0.05 s (`simulated`: true), then the same command against a healthy one; the process case sends SIGTERM to a
+process holding a stand-in llama-server that ignores SIGTERM (tests/fake_llama_server.py). The rank-fault cases
+launch 2 CPU processes with `accelerate launch -q`, one of which tests/rank_faults.py kills, stops or makes raise.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -26,11 +32,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from draftsmith.data.server import TRIES
 from draftsmith.models.target import REFERENCE_TARGET
 from draftsmith.train import guard
 from draftsmith.train.loop import checkpoints
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the fake servers of the tests
+from fake_llama_server import install  # noqa: E402
+from openai_server import FakeServer, echo  # noqa: E402
+
 WORK = REPO / "runs" / "bench-reliability"
 PY = sys.executable
 DRAFTSMITH = [str(Path(PY).parent / "draftsmith")]  # the console script, as a user runs it
@@ -41,6 +54,10 @@ LONG = [*TINY, "loop.max_steps=400", "loop.save_every=200", "eval.num_prompts=0"
 LOW_DISK = ("import runpy, shutil, sys; real = shutil.disk_usage; "
             "shutil.disk_usage = lambda p: real(p)._replace(free=1 << 20); "
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+# runs the command with data/server.py's backoff 0.05 s doubling (not 2 s): a server case takes seconds, not minutes
+FAST_RETRIES = ("import runpy, sys; from draftsmith.data import server; server.BACKOFF = 0.05; "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+PROMPTS = ["def add(a, b):", "def neg(a):", "def twice(a):", "def zero(a):"]  # one request each
 
 
 @dataclass
@@ -62,10 +79,10 @@ def train_cmd(*overrides: str, script: str = "train/medusa.py", launcher: list[s
     return [*(launcher or [PY]), *(pre or []), script, *overrides]
 
 
-def command(argv: list[str], wait: bool = True, group: bool = False) -> dict | subprocess.Popen:
-    """Run argv from the repository (hub offline, no debug switch): its record, or the process when not waiting
-    (in a process group of its own with `group`, as a terminal would start it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+def command(argv: list[str], wait: bool = True, group: bool = False, env: dict | None = None) -> dict | subprocess.Popen:
+    """Run argv from the repository (hub offline, no debug switch, `env` added): its record, or the process when not
+    waiting (in a process group of its own with `group`, as a terminal would start it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     env.pop(guard.DEBUG, None)
     if not wait:
         return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -219,6 +236,71 @@ def killed_then_restarted(d: Path) -> dict:
     return {**r, "lock_left_by_kill": lock_left}
 
 
+def logged_steps(d: Path) -> list[int]:
+    """The steps of the training lines in d/metrics.jsonl, in order (a line still being written is left out)."""
+    lines = (d / "metrics.jsonl").read_text().splitlines(keepends=True) if (d / "metrics.jsonl").is_file() else []
+    return [r["step"] for r in (json.loads(line) for line in lines if line.endswith("\n")) if "loss" in r]
+
+
+def killed_between_checkpoints(d: Path) -> dict:
+    """kill -9 a run once it logged a step past a checkpoint, before the next one, then run the same command again."""
+    argv = train_cmd(f"loop.output_dir={d}", *LONG, "loop.max_steps=12", "loop.save_every=4")
+    p = command(argv, wait=False)
+    while p.poll() is None and not (checkpoints(d) and logged_steps(d)
+                                    and logged_steps(d)[-1] > int(checkpoints(d)[-1].name.split("-")[1])):
+        time.sleep(0.05)
+    p.kill()
+    finish(p, argv)
+    before, resumed_from = logged_steps(d), checkpoints(d)[-1].name
+    r = command(argv)
+    past = before[-1] > int(resumed_from.split("-")[1])  # the kill came between two checkpoints
+    return {**r, "logged_before_resume": before, "resumed_from": resumed_from, "logged_after_resume": logged_steps(d),
+            "each_step_once": past and logged_steps(d) == list(range(1, 13))}
+
+
+def stale_build_lock(d: Path) -> dict:
+    """A DeepSpeed launch (ZeRO-2, one CPU process) meeting the lock of a build of its op killed an hour ago, in a
+    TORCH_EXTENSIONS_DIR of its own (the user's builds stay as they are; the op is built there afresh)."""
+    lock = d.parent / f"{d.name}-torch-extensions" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    for p in (lock, lock.parent):
+        os.utime(p, (time.time() - 3600,) * 2)
+    launcher = [PY, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/zero2.yaml",
+                "--num_processes", "1"]
+    r = command(train_cmd(f"loop.output_dir={d}", *TINY, launcher=launcher),
+                env={"TORCH_EXTENSIONS_DIR": str(lock.parent.parent)})
+    return {**r, "lock_named": f"warning: removing {lock}, the lock of a build that is gone" in r["output"]}
+
+
+def rank_fault(fault: str, rank: int, config: str = "") -> Callable[[Path], dict]:
+    """A 2-process launch on CPU (gloo; FSDP2 through tests/fsdp_on_cpu.py) whose rank `rank` faults after step 6
+    (tests/rank_faults.py; checkpoints every 4 steps, collectives time out after 20 s); then the same command
+    without the fault, which must resume to the end."""
+    def run(d: Path) -> dict:
+        how = ["--config_file", config] if config else ["--multi_gpu"]
+        fsdp = ["tests/fsdp_on_cpu.py"] if config else []
+        launcher = [PY, "-m", "accelerate.commands.launch", "-q", *how, "--num_processes", "2"]
+        overrides = [f"loop.output_dir={d}", *LONG, "loop.max_steps=12", "loop.save_every=4",
+                     "loop.collective_timeout_minutes=0.33"]
+        env = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+        r = command(train_cmd(*overrides, launcher=launcher, pre=["tests/rank_faults.py", fault, str(rank), "6", *fsdp]),
+                    env=env)
+        ended = time.time()
+        fault_at = re.search(r"fault: \w+ rank \d+ at (\S+)", r["output"])
+        alive = [p.pid for p in psutil.process_iter(["cmdline"]) if f"loop.output_dir={d}" in (p.info["cmdline"] or [])]
+        kept = not guard.verify(d / "checkpoint-4")
+        again = command(train_cmd(*overrides, launcher=launcher, pre=fsdp), env=env)
+        after = ended - float(fault_at.group(1)) if fault_at else math.inf
+        return {**r, "seconds_after_fault": round(after, 1),
+                # at once, or (a stopped rank) the 20-s collective timeout plus the launcher's 30-s grace to SIGKILL
+                "ended_in_time": after < (60 if fault == "stop" else 10),
+                "one_error_line": r["output"].count(": error: ") == 1,
+                "nothing_left_running": not alive, "last_checkpoint_verifies": kept,
+                "resumed_to_the_end": again["rc"] == 0 and f"resumed from {d}/checkpoint-4" in again["output"]}
+    return run
+
+
 def low_disk_checkpoint(d: Path) -> dict:
     return command(train_cmd(f"loop.output_dir={d}", *TINY, pre=["-c", LOW_DISK]))
 
@@ -316,6 +398,72 @@ def pickled_target(d: Path) -> dict:
     subprocess.run([PY, "-c", code], check=True)
     r = command(train_cmd(f"loop.output_dir={d}", *TINY, f"target.path={t}"))
     return {**r, "code_ran": (t / "ran").exists()}
+
+
+def regenerate_cmd(d: Path, url: str, *extra: str) -> list[str]:
+    """`draftsmith regenerate --server url` of PROMPTS into d/out.jsonl, one request at a time."""
+    data = d.parent / f"{d.name}.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+                            for i, q in enumerate(PROMPTS)))
+    return [PY, "-c", FAST_RETRIES, DRAFTSMITH[0], "regenerate", "--target", str(REFERENCE_TARGET), "--data",
+            str(data), "--out", str(d / "out.jsonl"), "--max-new-tokens", "8", "--batch-size", "1", "--server", url,
+            *extra]
+
+
+def rows(d: Path) -> list[str]:
+    out = d / "out.jsonl"
+    return out.read_text().splitlines() if out.is_file() else []
+
+
+def server_erring(d: Path) -> dict:
+    """A server that answers 429 (Retry-After: 1), then 503, then works."""
+    with FakeServer(echo, faults=["429", "503"]) as server:
+        r = command(regenerate_cmd(d, server.url))
+    return {**r, "retries_announced": r["output"].count("; trying again in ") == 2,
+            "retry_after_honoured": server.tries[1] - server.tries[0] >= 1.0}
+
+
+def server_failing(fault: str, *extra: str) -> Callable[[Path], dict]:
+    """A server that answers two requests, then fails every one with `fault`; then the same command against a
+    healthy server: it must ask only the two prompts left and keep the two rows written."""
+    def run(d: Path) -> dict:
+        with FakeServer(echo, faults=itertools.chain([None] * 2, itertools.repeat(fault))) as server:
+            r = command(regenerate_cmd(d, server.url, *extra))
+        kept = rows(d)
+        with FakeServer(echo) as healthy:
+            again = command(regenerate_cmd(d, healthy.url, *extra))
+        done = rows(d)
+        return {**r, "rows_kept": len(kept), "stall_lines": len(re.findall(r": no answer in [\d.]+ s; trying again", r["output"])),
+                "retries_announced": r["output"].count("; trying again in ") == TRIES - 1,
+                "rerun_complete": again["rc"] == 0 and len(kept) == 2 and done[:2] == kept and len(done) == 4
+                and len({json.loads(row)["id"] for row in done}) == 4 and len(healthy.requests) == 2}
+    return run
+
+
+def llama_server_sigterm(d: Path) -> dict:
+    """SIGTERM to a process holding llama_cpp.Server, whose llama-server (a stand-in) ignores SIGTERM."""
+    d.mkdir(parents=True)
+    install(d)
+    code = (f"import os, time; os.environ['DRAFTSMITH_LLAMA_CPP'] = {str(d)!r}\n"
+            "from pathlib import Path\nfrom draftsmith.models import llama_cpp\n"
+            "with llama_cpp.Server(Path('model.gguf'), threads=1) as server:\n"
+            "    print(f'llama-server pid {server.proc.pid} at {server.url}', flush=True)\n"
+            "    time.sleep(600)\n")
+    argv = [PY, "-c", code]
+    p = command(argv, wait=False)
+    line = p.stdout.readline()
+    while line and not line.startswith("llama-server pid "):
+        line = p.stdout.readline()
+    p.send_signal(signal.SIGTERM)
+    r = finish(p, argv)
+    pid = int(line.split()[2])
+    try:
+        os.kill(pid, 0)
+        os.kill(pid, signal.SIGKILL)  # an orphan: recorded, then ended
+        orphan = True
+    except ProcessLookupError:
+        orphan = False
+    return {**r, "output": line + r["output"], "orphan_left": orphan}
 
 
 # ---- the cases -----------------------------------------------------------------------------------------------
@@ -422,6 +570,20 @@ def cases() -> list[Case]:
              r"is in use by pid \d+ on .*; wait for it or stop it"),
         Case("kill_9_then_restart", "lock", "kill -9 the trainer, then start it again", killed_then_restarted,
              r"done at step 1", 0),
+        Case("kill_9_between_checkpoints", "resume", "kill -9 the trainer between two checkpoints, run it again",
+             killed_between_checkpoints, r"done at step 12", 0),
+        Case("stale_deepspeed_build_lock", "lock", "a DeepSpeed launch after a killed build of its op left its lock",
+             stale_build_lock, r"done at step 2", 0),
+        *(Case(f"rank_{fault}_{backend}", "rank fault", f"{tried} in a 2-process {backend.upper()} launch on CPU "
+               "(loop.collective_timeout_minutes=0.33), then the same command again", rank_fault(fault, rank, config),
+               line, expect_disk=ckpts("checkpoint-8", "checkpoint-12"))
+          for backend, config in [("ddp", ""), ("fsdp2", "recipes/accelerate/fsdp2.yaml")]
+          for fault, rank, tried, line in [
+              ("kill", 1, "SIGKILL rank 1 after step 6", r"rank 1 died after step 6 \(its process \d+ is gone\); the "
+               r"last checkpoint is .*checkpoint-4; rerun the same command to resume"),
+              ("stop", 1, "SIGSTOP rank 1 after step 6", r"rank 1 stopped answering after step 6 \(no sign of life for "
+               r"\d+ s, loop.collective_timeout_minutes=0.33\); the last checkpoint is .*checkpoint-4"),
+              ("raise", 1, "rank 1's data raises after step 6", r"rank 1: row 7 of the training data is unreadable")]),
         Case("low_disk_checkpoint", "disk", "train with 1 MiB free", low_disk_checkpoint,
              r"not enough disk space for checkpoint-1: needs about", expect_disk=ckpts(), simulated=True),
         Case("low_disk_export", "disk", "export with 1 MiB free", low_disk_export,
@@ -442,6 +604,24 @@ def cases() -> list[Case]:
              export_case("train/layerskip.py", "hf", "eval.exit_layers=[2]", "loop.best_metric=tau_exit2"),
              r"^\s*0\s+\d", 0),
         Case("main_sh_output_dir", "export", "bash scripts/main.sh loop.output_dir=X (tiny)", main_sh, r"exported .*", 0),
+        Case("server_429_then_503", "server", "regenerate --server: 429 with Retry-After 1, then 503, then answers",
+             server_erring, r"regenerate: 4/4 conversations", 0, expect_disk=lambda d: len(rows(d)) == 4,
+             simulated=True),
+        *(Case(f"server_{name}", "server", f"regenerate --server: two answers, then {tried} every time; rerun "
+                                           "against a healthy server", server_failing(fault, *extra),
+               rf"gave up on http://127.0.0.1:\d+/v1/completions after {TRIES} of {TRIES} tries in \d+ s, the last: "
+               rf"{last}; 2 of 4 conversations were written to .*: rerun the same command once the server answers to "
+               r"continue",
+               simulated=True)
+          for name, fault, tried, last, extra in [
+              ("503_forever", "503", "HTTP 503", r"HTTP 503: .*", ()),
+              ("malformed_json", "malformed", "JSON cut short", r"did not answer JSON .*", ()),
+              ("truncated_body", "truncated", "a body shorter than its Content-Length",
+               r"no answer \(IncompleteRead.*\)", ()),
+              ("hangs", "hang", "no answer at all (--request-timeout 1)", r"no answer in 1 s",
+               ("--request-timeout", "1"))]),
+        Case("llama_server_sigterm", "process", "SIGTERM to a process running llama-server (which ignores SIGTERM)",
+             llama_server_sigterm, r"llama-server pid \d+", 143),
     ]
 
 
@@ -452,20 +632,23 @@ def judge(case: Case, r: dict, d: Path) -> bool:
     if "tau_from_export" in r:
         ok &= r["tau_from_export"] is not None and abs(r["tau_from_export"] - r["tau_logged_at_checkpoint"]) < 1e-9
         ok &= Path(r["export"]["target"]).is_absolute()
-    for key in ("config_unchanged", "export_in_output_dir", "lock_left_by_kill"):
+    for key in ("config_unchanged", "export_in_output_dir", "lock_left_by_kill", "rerun_complete",
+                "retry_after_honoured", "retries_announced", "each_step_once", "lock_named", "ended_in_time",
+                "one_error_line", "nothing_left_running", "last_checkpoint_verifies", "resumed_to_the_end"):
         ok &= r.get(key, True)
-    ok &= not r.get("code_ran", False)
+    ok &= not r.get("code_ran", False) and not r.get("orphan_left", False)
     return bool(ok)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "reliability.json"))
-    parser.add_argument("--only", nargs="*", help="case names to run")
+    parser.add_argument("--only", nargs="*", help="case names to run; their records replace those of the same "
+                        "names in --out, the other cases' records are kept")
     args = parser.parse_args(argv)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    records, t0 = [], time.perf_counter()
+    records, load_before = [], os.getloadavg()
     for case in cases():
         if args.only and case.name not in args.only:
             continue
@@ -482,9 +665,17 @@ def main(argv: list[str] | None = None) -> dict:
         record["ok"] = judge(case, {**record, "rc": record["exit_code"]}, d)
         records.append(record)
         print(f"{'ok  ' if record['ok'] else 'FAIL'} {case.name}: {record['message'][:160]}", flush=True)
+    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
+    for r in records:
+        r["load_average"] = load
+    if args.only and Path(args.out).is_file():  # the new records in their cases' order, the earlier ones kept
+        order = [case.name for case in cases()]
+        new = {r["name"]: r for r in records}
+        kept = [r for r in json.loads(Path(args.out).read_text())["cases"] if r["name"] not in new]
+        records = sorted(kept + records, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
     summary = {"cases": len(records), "ok": sum(r["ok"] for r in records),
                "one_line_errors": sum(not r["traceback_shown"] for r in records),
-               "classes": sorted({r["class"] for r in records}), "seconds": round(time.perf_counter() - t0, 1)}
+               "classes": sorted({r["class"] for r in records}), "seconds": round(sum(r["seconds"] for r in records), 1)}
     result = {"summary": summary, "cases": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

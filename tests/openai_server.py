@@ -4,7 +4,9 @@ stopped by the test (`with FakeServer(...) as server:`).
 GET /v1/models lists one model; POST /v1/completions answers `answer(request body)` as a completion. It records every
 completion request and the most it held at once; `delay` seconds per completion make concurrency visible,
 `die_after` answers it stops answering (every later connection is closed with no answer, as when the server
-process is gone), `garbage` is the body it sends instead of JSON.
+process is gone), `garbage` is the body it sends instead of JSON. `faults` scripts failures: each completion request
+takes the next item, None to answer, else a fault (see `fail`; it may be endless: `itertools.repeat("503")`);
+`tries` holds the time.monotonic() of every completion request, failed or answered.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -21,10 +23,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 class FakeServer:
     def __init__(self, answer: Callable[[dict], str], delay: float = 0.0, die_after: int | None = None,
-                 garbage: bytes | None = None, models: bytes | None = None):
+                 garbage: bytes | None = None, models: bytes | None = None, faults: Iterable[str | None] = (),
+                 retry_after: str = "1"):
         self.requests: list[dict] = []
+        self.tries: list[float] = []
         self.in_flight = self.most_in_flight = self.answered = 0
-        lock, fake = threading.Lock(), self
+        self.stopping = threading.Event()
+        lock, fake, faults = threading.Lock(), self, iter(faults)
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet
@@ -37,6 +42,30 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def fail(self, fault: str) -> None:
+                """An HTTP status ("503"; "429" with `Retry-After: retry_after`), a 200 whose JSON is cut
+                ("malformed"), a Content-Length larger than the body sent before the connection closes ("truncated"),
+                or the request read and never answered until the server stops ("hang")."""
+                if fault.isdigit():
+                    self.send_response(int(fault))
+                    if fault == "429":
+                        self.send_header("Retry-After", retry_after)
+                    self.send_header("Content-Length", "16")
+                    self.end_headers()
+                    self.wfile.write(b'{"error": "try"}')
+                elif fault == "malformed":
+                    self.send(b'{"choices": [{"text": ')
+                elif fault == "truncated":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b'{"choices": [')
+                    self.close_connection = True
+                else:
+                    assert fault == "hang", fault
+                    fake.stopping.wait()
+                    self.close_connection = True
+
             def do_GET(self):
                 if self.path != "/v1/models":
                     return self.send(b'{"error": "not found"}', 404)
@@ -46,6 +75,11 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions":
                     return self.send(b'{"error": "not found"}', 404)
+                with lock:
+                    fake.tries.append(time.monotonic())
+                    fault = next(faults, None)
+                if fault:
+                    return self.fail(fault)
                 with lock:
                     if die_after is not None and fake.answered >= die_after:
                         self.close_connection = True  # no answer: the client sees the connection closed
@@ -70,6 +104,7 @@ class FakeServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stopping.set()  # hanging requests end
         self.httpd.shutdown()
         self.httpd.server_close()
 

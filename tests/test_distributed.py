@@ -69,9 +69,11 @@ REFUSED = {  # combinations that must stop at start: name -> (entry, recipe, ove
 FSDP2 = "recipes/accelerate/fsdp2.yaml"
 
 
-def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
-           check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch` an entry script on `processes` CPU processes (gloo) for a tiny run."""
+def launch_command(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
+                   front: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that `accelerate launch` an entry script on `processes` CPU processes (gloo)
+    for a tiny run; `front`: more of the launcher's options, then a shim and its arguments, before the entry script
+    (`-q tests/rank_faults.py kill 1 6`)."""
     entry, yaml, overrides = {**RECIPES, **OTHERS, **{k: v[:3] for k, v in REFUSED.items()}}[recipe]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,10 +81,16 @@ def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, co
     how = ["--config_file", config_file] if config_file else ["--multi_gpu"] if processes > 1 else []
     shim = ["tests/fsdp_on_cpu.py"] if config_file == FSDP2 else []
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(processes),
-           "--main_process_port", str(port), *shim, entry, "--config", yaml, f"target.path={target}",
+           "--main_process_port", str(port), *front, *shim, entry, "--config", yaml, f"target.path={target}",
            f"loop.output_dir={out}", *overrides, *extra]
     cpu = not config_file or config_file == FSDP2  # DeepSpeed on one CPU process needs accelerate's GPU path
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true" if cpu else "false"}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true" if cpu else "false"}
+
+
+def launch(recipe: str, target: Path, out: Path, processes: int, *extra: str, config_file: str = "",
+           check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch` an entry script on `processes` CPU processes (gloo) for a tiny run."""
+    cmd, env = launch_command(recipe, target, out, processes, *extra, config_file=config_file)
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and done.returncode:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")

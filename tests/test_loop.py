@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +116,56 @@ def test_kill_and_resume_sees_no_example_twice(tmp_path):
     assert again.seen == straight.seen[4 * 2 * 3:]  # both read one micro-batch ahead at the end
     state = json.loads((tmp_path / "b" / "checkpoint-8" / "state.json").read_text())
     assert state["step"] == 8
+
+
+KILLED_AFTER_STEP_6 = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_loop import Recorder, loop_cfg, tiny_method
+from draftsmith.train.loop import Loop
+
+class Hangs(Recorder):  # reads no further than step 6: the test kills it there, between checkpoint-4 and -8
+    def __getitem__(self, i):
+        if len(self.seen) == 6 * 2 * 3:
+            time.sleep(600)
+        return super().__getitem__(i)
+
+Loop(loop_cfg({run!r}, tracker="tensorboard"), tiny_method(), Hangs(), evaluate=lambda m, step: {{"tau": step}}).run()
+"""
+
+
+def test_a_run_killed_between_checkpoints_logs_each_step_once_after_its_resume(tmp_path):
+    """kill -9 after step 6 (checkpoint-4 written): the resumed run logs steps 5-8 again; metrics.jsonl keeps them
+    once and equals an uninterrupted run's, and TensorBoard shows the killed launch's points past step 4 no more."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def logged(run):  # (step, what) per line; tokens_per_s is a timing, the rest is exact
+        return [(r["step"], r.get("loss"), r.get("eval/tau")) for r in map(json.loads, open(run / "metrics.jsonl"))]
+
+    def plotted(run):
+        events = EventAccumulator(str(next(run.rglob("events.out.tfevents.*")).parent))
+        events.Reload()
+        return [(e.step, round(e.value, 6)) for e in events.Scalars("loss")]
+
+    evaluate = lambda m, step: {"tau": step}  # noqa: E731
+    Loop(loop_cfg(tmp_path / "a", tracker="tensorboard"), tiny_method(), Recorder(), evaluate=evaluate).run()
+    run = tmp_path / "b"
+    code = KILLED_AFTER_STEP_6.format(tests=str(Path(__file__).parent), run=str(run))
+    killed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or logged(run)[-1][0] < 6:
+            assert killed.poll() is None and time.monotonic() < deadline, "the run to kill did not reach step 6"
+            time.sleep(0.1)
+    finally:
+        killed.kill()
+        killed.wait()
+    assert [c.name for c in checkpoints(run)] == ["checkpoint-4"] and [s for s, *_ in logged(run)][-2:] == [5, 6]
+
+    Loop(loop_cfg(run, tracker="tensorboard"), tiny_method(), Recorder(), evaluate=evaluate).run()
+    assert logged(run) == logged(tmp_path / "a")
+    assert [s for s, *_ in logged(run)] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 8]  # a training and an evaluation line at 4, 8
+    assert plotted(run) == plotted(tmp_path / "a") == [(s, loss) for s, loss, _ in logged(run) if loss is not None]
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):

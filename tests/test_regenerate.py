@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import time
+from email.utils import formatdate
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from draftsmith.data import server as server_module
 from draftsmith.data.tokenizer import END, train_bpe
 from draftsmith.train import regenerate
+from draftsmith.train.guard import cli
 
 ROWS = [
     {"id": "one-turn", "source": "a.py", "messages": [{"role": "user", "content": "def add(a, b):"},
@@ -149,6 +154,16 @@ def test_too_little_disk_for_the_output_is_refused_before_generating(target, tmp
 
 # ---- through an OpenAI-compatible server (tests/openai_server.py) ---------------------------------------------
 
+TRIES = 3
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    """Three tries a request, backoffs of hundredths of a second: a failing server takes the tests moments."""
+    monkeypatch.setattr(server_module, "TRIES", TRIES)
+    monkeypatch.setattr(server_module, "BACKOFF", 0.01)
+
+
 def by_id(rows: list[dict]) -> dict[str, dict]:
     return {r["id"]: r for r in rows}
 
@@ -222,7 +237,8 @@ def test_a_server_that_dies_mid_run_loses_nothing_and_a_rerun_continues(target, 
     out = tmp_path / "out.jsonl"
     answer = greedy(target)
     with FakeServer(answer, die_after=4) as server:
-        with pytest.raises(regenerate.ServerError, match=rf"no answer from {server.url}/v1/completions .* of 8 "
+        with pytest.raises(regenerate.ServerError, match=rf"gave up on {server.url}/v1/completions after {TRIES} "
+                                                         rf"of {TRIES} tries in \d+ s, the last: no answer \(.*\); \d of 8 "
                                                          rf"conversations were written to {out}: rerun the same"):
             run(target, data, out, "--server", server.url, "--batch-size", "2")
     kept = [json.loads(line) for line in out.read_text().splitlines()]
@@ -241,8 +257,6 @@ def test_an_unreachable_or_garbage_server_is_one_line_and_no_file(target, tmp_pa
 
     from openai_server import FakeServer, echo
 
-    from draftsmith.train.guard import cli
-
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     out = tmp_path / "out.jsonl"
@@ -251,7 +265,8 @@ def test_an_unreachable_or_garbage_server_is_one_line_and_no_file(target, tmp_pa
     expected = {"unreachable": r"no answer from .*/v1/models \(.*refused\); start the server or fix --server",
                 "models": r"/v1/models did not answer JSON \(b'<html>It works!</html>'\); is --server an "
                           r"OpenAI-compatible server \(llama-server, vLLM, SGLang\)\?",
-                "completions": r"/v1/completions did not answer JSON \(b'<html>It works!</html>'\); is --server",
+                "completions": rf"gave up on .*/v1/completions after {TRIES} of {TRIES} tries in \d+ s, the last: did not "
+                               r"answer JSON \(b'<html>It works!</html>'\); 0 of 4 conversations were written",
                 "no choices": r"/v1/completions answered without choices\[0\].text \(\{'id': 1\}\); is --server",
                 "http error": r"/nowhere/v1/models answered HTTP 404: \{\"error\": \"not found\"\}"}[case]
     argv = ["--target", str(target), "--data", str(data), "--out", str(out), "--max-new-tokens", "6",
@@ -268,3 +283,101 @@ def test_an_unreachable_or_garbage_server_is_one_line_and_no_file(target, tmp_pa
     message = str(stop.value.code)
     assert "\n" not in message and re.search(expected, message), message
     assert not out.is_file() or out.read_text() == ""
+
+
+def test_retry_after_and_backoff():
+    assert server_module.retry_after("120") == 120 and server_module.retry_after("0") == 0
+    assert 28 < server_module.retry_after(formatdate(time.time() + 30, usegmt=True)) <= 30  # the HTTP-date form
+    assert server_module.retry_after(formatdate(time.time() - 30, usegmt=True)) == 0
+    assert server_module.retry_after("soon") is None and server_module.retry_after(None) is None
+    waits = [server_module.backoff(k) for k in range(1, 40)]
+    assert 0.005 <= waits[0] <= 0.01 and 0.01 <= waits[1] <= 0.02 and max(waits) <= server_module.WAIT_MAX
+    assert len({round(server_module.backoff(3), 6) for _ in range(20)}) > 1  # jitter
+
+
+def test_a_server_that_errs_for_a_while_is_tried_again_and_every_row_is_written_once(target, tmp_path, capsys):
+    """429 (waiting its Retry-After), 500, 502, 503, 504, malformed JSON, a body cut short and a request left
+    unanswered past --request-timeout are each tried again, at most TRIES tries a request; the rows are those of a
+    healthy server, each once, and each retry is announced on stderr in one line."""
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with FakeServer(echo) as healthy:
+        expected = run(target, data, tmp_path / "healthy.jsonl", "--server", healthy.url)
+    faults = ["429", None, "500", "503", None, "malformed", "truncated", None, "502", "hang", None, "504", None]
+    with FakeServer(echo, faults=faults) as server:
+        rows = run(target, data, tmp_path / "out.jsonl", "--server", server.url, "--batch-size", "1",
+                   "--request-timeout", "0.5")
+    assert [r["id"] for r in rows] == [r["id"] for r in ROWS] and by_id(rows) == by_id(expected)
+    assert len(server.tries) == len(faults) and len(server.requests) == 5
+    assert server.tries[1] - server.tries[0] >= 1.0  # Retry-After: 1
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    url = re.escape(f"{server.url}/v1/completions")
+    assert len(warnings) == 8 and all(re.fullmatch(rf"warning: {url}: .*; trying again in [\d.]+ s \(try [23] of "
+                                                   rf"{TRIES}\)", w) for w in warnings), warnings
+    reasons = [w.split(": ", 2)[2].split("; trying")[0] for w in warnings]
+    assert reasons == ['HTTP 429: {"error": "try"} (Retry-After 1 s)', 'HTTP 500: {"error": "try"}',
+                       'HTTP 503: {"error": "try"}', "did not answer JSON (b\'{\"choices\": [{\"text\": \')",
+                       "no answer (IncompleteRead(13 bytes read, 987 more expected))", 'HTTP 502: {"error": "try"}',
+                       "no answer in 0.5 s", 'HTTP 504: {"error": "try"}']
+
+
+GIVE_UPS = {  # the fault a server answers every request with from the 4th on -> (tries of that request, last reason)
+    "429": (1, r'HTTP 429: \{"error": "try"\} \(Retry-After 3600 s\)'),  # past RETRY_FOR: no try waits that long
+    "500": (TRIES, r'HTTP 500: \{"error": "try"\}'),
+    "503": (TRIES, r'HTTP 503: \{"error": "try"\}'),
+    "malformed": (TRIES, r"did not answer JSON \(b'\{\"choices\": \[\{\"text\": '\)"),
+    "truncated": (TRIES, r"no answer \(IncompleteRead\(13 bytes read, 987 more expected\)\)"),
+    "hang": (TRIES, r"no answer in 0.3 s"),
+}
+
+
+@pytest.mark.parametrize("fault", GIVE_UPS)
+def test_a_server_that_keeps_failing_is_given_up_in_one_line_and_a_rerun_continues(target, tmp_path, capsys, fault):
+    """A server that answers three requests (two conversations), then fails every one: the run gives up within its
+    bound in one line naming the URL, the path, the last reason and how to go on, with the two rows written; rerun
+    against a healthy server, it asks only the two conversations left and keeps the rows written before."""
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out.jsonl"
+    argv = ["--target", str(target), "--data", str(data), "--out", str(out), "--max-new-tokens", "6", "--batch-size",
+            "1", "--request-timeout", "0.3"]
+    tries, reason = GIVE_UPS[fault]
+    with FakeServer(echo, faults=itertools.chain([None] * 3, itertools.repeat(fault)), retry_after="3600") as server:
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as stop:
+            cli(regenerate.main, [*argv, "--server", server.url])
+        seconds = time.monotonic() - start
+    message = str(stop.value.code)
+    assert "\n" not in message and re.fullmatch(
+        rf"\S+: error: gave up on {re.escape(server.url)}/v1/completions after {tries} of {TRIES} tries in \d+ s, the "
+        rf"last: {reason}; 2 of 4 conversations were written to {re.escape(str(out))}: rerun the same command once "
+        r"the server answers to continue \(DRAFTSMITH_DEBUG=1 shows the traceback\)", message), message
+    assert len(server.tries) == 3 + tries and seconds < 3 + tries * 0.3 + TRIES * 0.04  # bounded in count and time
+    stalls = [line for line in capsys.readouterr().err.splitlines() if "no answer in 0.3 s; trying again" in line]
+    assert len(stalls) == (TRIES - 1 if fault == "hang" else 0)
+    kept = out.read_text()
+    assert [json.loads(line)["id"] for line in kept.splitlines()] == ["one-turn", "two-turns"]
+
+    with FakeServer(echo) as healthy:
+        rows = run(target, data, out, "--server", healthy.url)
+    assert out.read_text().startswith(kept) and sorted(r["id"] for r in rows) == sorted(r["id"] for r in ROWS)
+    assert len(healthy.requests) == 2  # one turn each of the two conversations left; none answered twice
+    with FakeServer(echo) as again:
+        assert by_id(rows) == by_id(run(target, data, tmp_path / "healthy.jsonl", "--server", again.url))
+
+
+def test_a_permanent_error_mid_run_is_not_tried_again(target, tmp_path):
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out.jsonl"
+    with FakeServer(echo, faults=[None, "400"]) as server, pytest.raises(
+            regenerate.ServerError, match=rf"^{re.escape(server.url)}/v1/completions answered HTTP 400: "
+                                          r'\{"error": "try"\}; 1 of 4 conversations were written'):
+        run(target, data, out, "--server", server.url, "--batch-size", "1")
+    assert len(server.tries) == 2

@@ -9,12 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from test_loop import Recorder, loop_cfg, tiny_method
+from torch.utils import cpp_extension
+from torch.utils.file_baton import FileBaton
 
 from draftsmith.data import core
 from draftsmith.models.method import MethodBase
@@ -220,6 +224,86 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
     assert json.loads((tmp_path / guard.LOCK).read_text())["pid"] == os.getpid()
     loop.run()
     assert not (tmp_path / guard.LOCK).exists() and guard.verify(tmp_path / "checkpoint-4") == ""
+
+
+# ---- torch extension build locks (DeepSpeed's ops) ---------------------------------------------------
+
+BUILDER = ("import os, subprocess, sys, time\n"
+           "fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)  # FileBaton.try_acquire: the lock, held open\n"
+           "print(subprocess.Popen(['sleep', '600'], cwd=os.path.dirname(sys.argv[1])).pid, flush=True)  # its ninja\n"
+           "time.sleep(600)\n")
+
+
+def start_build(lock: Path) -> tuple[subprocess.Popen, int]:
+    """A builder that holds `lock` as torch's does, and the pid of the compiler it runs in the lock's directory."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    builder = subprocess.Popen([sys.executable, "-c", BUILDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    return builder, int(builder.stdout.readline())
+
+
+def age(d: Path, seconds: float) -> None:
+    """Make `d` and its files look untouched for `seconds`."""
+    for p in (d, *d.iterdir()):
+        os.utime(p, (time.time() - seconds,) * 2)
+
+
+def checking(root: Path) -> threading.Thread:
+    """The check before a DeepSpeed launch, running (polling every 0.05 s) in a thread the test can wait on."""
+    check = threading.Thread(target=guard.clear_stale_build_locks, args=(root, 600, 0.05), daemon=True)
+    check.start()
+    return check
+
+
+def test_the_build_lock_of_a_killed_deepspeed_build_is_removed_before_torch_waits_on_it(tmp_path, monkeypatch, capsys):
+    """kill -9 a build (its builder and compiler): its lock stays where torch builds the op and torch's FileBaton would
+    wait for it for ever; the check a DeepSpeed launch runs first finds it there, removes it and says so."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))  # ~/.cache/torch_extensions
+    lock = Path(cpp_extension._get_build_directory("deepspeed_shm_comm", False)) / "lock"
+    builder, compiler = start_build(lock)
+    os.kill(compiler, signal.SIGKILL)
+    builder.kill()
+    builder.wait()
+    age(lock.parent, 3600)
+    baton = FileBaton(str(lock), wait_seconds=0.01)
+    assert not baton.try_acquire()
+    waiter = threading.Thread(target=baton.wait, daemon=True)  # what the next launch's build does
+    waiter.start()
+    waiter.join(1)
+    assert waiter.is_alive()
+    guard.clear_stale_build_locks()
+    waiter.join(5)
+    assert not waiter.is_alive() and not lock.exists()
+    assert capsys.readouterr().err == (f"warning: removing {lock}, the lock of a build that is gone (nothing on this "
+                                       "machine builds there, nothing changed there for 60 min)\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "elsewhere"))
+    assert guard.extensions_root() == tmp_path / "elsewhere"
+
+
+def test_a_build_lock_is_left_to_its_live_builder_and_waited_on_while_its_compiler_runs(tmp_path, capsys):
+    """A lock its builder holds open is left at once, however old; with the builder killed but its compiler still
+    working in the directory, the check waits, naming the file and how to remove it, until the compiler is gone."""
+    lock = tmp_path / "fused_adam" / "lock"
+    builder, compiler = start_build(lock)
+    try:
+        age(lock.parent, 3600)
+        check = checking(tmp_path)
+        check.join(5)
+        assert not check.is_alive() and lock.exists() and capsys.readouterr().err == ""
+        builder.kill()
+        builder.wait()
+        check = checking(tmp_path)
+        check.join(1)
+        assert check.is_alive() and lock.exists()
+    finally:
+        builder.kill()
+        os.kill(compiler, signal.SIGKILL)
+    check.join(5)
+    assert not check.is_alive() and not lock.exists()
+    assert capsys.readouterr().err.splitlines() == [
+        f"waiting for {lock}: no process on this machine holds it; if no other machine is building there, remove it: "
+        f"rm {lock}", f"warning: removing {lock}, the lock of a build that is gone (nothing on this machine builds "
+        "there, nothing changed there for 60 min)"]
 
 
 # ---- signals ---------------------------------------------------------------------------------------

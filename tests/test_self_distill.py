@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import collections
 import gzip
+import itertools
 import json
+import re
 import shutil
 
+import pytest
 from conftest import REPO
 
 from draftsmith.data.dataset import DataConfig, build_dataset
@@ -210,3 +213,37 @@ def test_broad_prompts_are_new_kinds_in_turn_and_answered_into_a_source_of_their
         train = [json.loads(line) for line in fh]
     assert {r["id"] for r in train} == {r["id"] for r in build_broad_prompts(20) if r["split"] == "train"}
     assert not (tmp_path / "out" / "train.jsonl.gz").exists()  # the default set's source is left alone
+
+
+def test_self_distill_gives_up_on_a_failing_server_in_one_line_and_a_rerun_asks_only_what_is_left(
+        tiny_chat_target, tmp_path, monkeypatch):
+    """A server that answers four requests, then 503s: one line with the prompts answered so far, each of them in
+    answers.jsonl; rerun against a healthy server, only the prompts left are asked and the rows before are kept."""
+    from openai_server import FakeServer, echo
+
+    from draftsmith.data import server as server_module
+    from draftsmith.train.guard import cli
+
+    monkeypatch.setattr(server_module, "TRIES", 2)
+    monkeypatch.setattr(server_module, "BACKOFF", 0.01)
+    work = tmp_path / "work"
+    args = ["--target", str(tiny_chat_target), "--num-prompts", "8", "--max-new-tokens", "5", "--batch-size", "1",
+            "--work", str(work), "--out", str(tmp_path / "out")]
+    with FakeServer(echo, faults=itertools.chain([None] * 4, itertools.repeat("503"))) as server:
+        with pytest.raises(SystemExit) as stop:
+            cli(self_distill.main, [*args, "--server", server.url, "--request-timeout", "5"])
+    kept = (work / "answers.jsonl").read_text()
+    done = [json.loads(line) for line in kept.splitlines()]
+    assert 1 <= len(done) < 8 and str(stop.value.code).count("\n") == 0
+    assert re.search(rf"gave up on {re.escape(server.url)}/v1/completions after 2 of 2 tries in \d+ s, the last: "
+                     rf"HTTP 503: .*; {len(done)} of 8 prompts are answered in {re.escape(str(work))}/answers.jsonl: "
+                     r"rerun the same command once the server answers to continue", str(stop.value.code))
+
+    def turns(rows: list[dict]) -> int:
+        return sum(m["role"] == "assistant" for r in rows for m in r["messages"])
+    assert turns(done) == 4
+    with FakeServer(echo) as healthy:
+        self_distill.main([*args, "--server", healthy.url])
+    rows = [json.loads(line) for line in (work / "answers.jsonl").read_text().splitlines()]
+    assert (work / "answers.jsonl").read_text().startswith(kept) and len({r["id"] for r in rows}) == len(rows) == 8
+    assert len(healthy.requests) == turns(rows) - turns(done)  # nothing answered twice

@@ -146,7 +146,8 @@ def _replace(tmp: Path, final: Path) -> None:
 
 class Checkpoints:
     """The loop's checkpoint writing and resume, a base of `Loop`, whose accelerator, prepared method, optimizer,
-    scheduler, state, cfg, run_dir and run_config it reads."""
+    scheduler, state, cfg, run_dir and run_config it reads, and whose `wait_for_everyone` lets the other ranks wait
+    for as long as rank 0 writes."""
 
     def _whole_trainable(self):
         """Context in which the trainable parameters are whole for rank 0's write (a collective)."""
@@ -167,7 +168,7 @@ class Checkpoints:
             check_free(self.run_dir, self._checkpoint_bytes(), f"{final.name}",
                              f"free space there or move the run (loop.output_dir); {self._last_good()} is intact")
             tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
+        self.wait_for_everyone()
         try:
             optimizer = None
             if self.deepspeed:
@@ -184,7 +185,7 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             raise DiskFull(f"the disk filled up while writing {final.name} ({one_line(e)}); nothing of "
                                  f"it was kept, {self._last_good()} is intact; free space and run again") from e
-        acc.wait_for_everyone()
+        self.wait_for_everyone()
         if acc.is_main_process:
             guard.write_manifest(tmp)  # last: a checkpoint without a verifying manifest is never resumed from
             _replace(tmp, final)
@@ -194,7 +195,7 @@ class Checkpoints:
                     (d / "best.json").write_text(json.dumps({"step": self.state.step, **metrics}))))
             for old in checkpoints(self.run_dir)[: -self.cfg.keep_last]:
                 shutil.rmtree(old)
-        acc.wait_for_everyone()
+        self.wait_for_everyone()
         self.saved_step = self.state.step
         return final
 

@@ -57,6 +57,10 @@ class LoopConfig:
     divergence_factor: float = 10.0
     divergence_window: int = 20
     resume: Literal["auto", "never"] = "auto"
+    # in a multi-process launch, how long a rank waits in a collective for the others (torch's process group
+    # timeout), and how long a rank may stay silent (no heartbeat) while the others wait for its longer work (rank 0
+    # writing a checkpoint): past it the launch ends naming that rank (train/ranks.py)
+    collective_timeout_minutes: float = 10.0
     # a checkpoint (RUN/checkpoint-<step>) of this method whose trained weights start the run, with a fresh optimizer,
     # schedule and data position: a trained drafter fine-tuned on new data. This run's own checkpoints resume first
     init_from: str = ""
@@ -77,6 +81,7 @@ class LoopConfig:
         _check(self.divergence_factor == 0 or self.divergence_factor > 1, "loop.divergence_factor",
                "must be > 1 (0: stop only on NaN/inf)")
         _check(self.divergence_window >= 2, "loop.divergence_window", "must be >= 2")
+        _check(self.collective_timeout_minutes > 0, "loop.collective_timeout_minutes", "must be > 0")
 
 
 @dataclasses.dataclass

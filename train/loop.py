@@ -45,16 +45,20 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 
 from draftsmith.data.core import (
+    checkpoint_dir,
     checkpoints,
     collate,
+    write_atomically,
 )
 from draftsmith.decoding.evaluate import Shard, sharded
 from draftsmith.models.method import missing
 from draftsmith.train import guard
 from draftsmith.train.checkpoint import Checkpoints, LoopState, newest_verified
 from draftsmith.train.config import ConfigError, LoopConfig
+from draftsmith.train.ranks import Lost, Ranks, launcher_store
 
 Evaluate = Callable[[nn.Module, int], dict]
+METRICS = "metrics.jsonl"  # every logged line, each step once (`keep_metrics_through`)
 
 
 class TrainingDiverged(RuntimeError):
@@ -132,13 +136,20 @@ class Loop(Checkpoints):
                              "or set loop.tracker=none")
         if tracker == "wandb" and not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get("LOCAL_RANK", "0") == "0":
+            guard.clear_stale_build_locks()  # DeepSpeed builds its ops from the Accelerator on; one rank per machine
         if AcceleratorState._shared_state.get("_mixed_precision", cfg.mixed_precision) != cfg.mixed_precision:
             AcceleratorState._reset_state()  # an earlier Loop in this process (a notebook, the tests) chose another
-        # the ranks that wait while rank 0 evaluates must not time out: allow long evaluations
+        # a collective waits this long for a rank that stopped; longer waits meet outside collectives (`wait_for_everyone`)
+        timeout = timedelta(minutes=cfg.collective_timeout_minutes)
         self.accelerator = Accelerator(mixed_precision=cfg.mixed_precision, log_with=tracker,
                                        project_dir=str(self.run_dir), gradient_accumulation_steps=cfg.grad_accum,
                                        step_scheduler_with_optimizer=False,
-                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
+                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+        acc = self.accelerator
+        self.ranks = Ranks(acc.process_index, acc.num_processes, timeout.total_seconds(),
+                           f"loop.collective_timeout_minutes={cfg.collective_timeout_minutes:g}") \
+            if acc.num_processes > 1 and launcher_store() else None
         if self.accelerator.is_main_process:  # a second trainer on this directory refuses here, before it writes
             self.lock.acquire()
             atexit.register(self.lock.release)
@@ -175,6 +186,7 @@ class Loop(Checkpoints):
         self.losses: list[float] = []  # recent step losses, for the divergence stop
         if cfg.resume == "auto":
             found = newest_verified(self.run_dir, self.accelerator.print) if self.accelerator.is_main_process else None
+            self.wait_for_everyone()  # rank 0 checks every newer checkpoint's checksums: as long as that takes
             found = broadcast_object_list([found])[0]
             if found is None and checkpoints(self.run_dir):
                 raise ValueError(f"no checkpoint in {self.run_dir} verifies (see the warnings above); set "
@@ -183,10 +195,12 @@ class Loop(Checkpoints):
                 self.load(found)
         if self.accelerator.is_main_process:  # only now that the resume is decided
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            keep_metrics_through(self.run_dir / METRICS, self.state.step)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.run_config, sort_keys=False))
             (self.run_dir / "command.txt").write_text(" ".join(["python", *sys.argv]) + "\n")
-        if tracker:
-            self.accelerator.init_trackers(cfg.project, config=_flat(self.run_config))
+        if tracker:  # TensorBoard hides the points an earlier launch logged past this step (wandb cannot: a new run)
+            self.accelerator.init_trackers(cfg.project, config=_flat(self.run_config),
+                                           init_kwargs={"tensorboard": {"purge_step": self.state.step + 1}})
 
     def _check_launch(self, method: nn.Module) -> None:
         """Refuse launches this loop cannot serve; fill DeepSpeed's "auto" batch and clipping from the recipe, and
@@ -311,7 +325,8 @@ class Loop(Checkpoints):
 
     def run(self) -> LoopState:
         """Train to the end of the budget. SIGINT/SIGTERM end the current step, write a checkpoint and raise `Stopped`;
-        the lock on the run directory is released however it ends."""
+        the lock on the run directory is released however it ends. In a multi-process launch an error caused by a rank
+        that failed, died or stopped answering is raised as `guard.PeerLost` naming it."""
         # under loop.max_minutes the bar counts the run's progress in permille of whichever budget binds (`progress`),
         # so its ETA is the time or step budget's, not max_steps' alone
         total, done = (1000, self._permille()) if self.cfg.max_minutes else (self.cfg.max_steps, self.state.step)
@@ -320,11 +335,23 @@ class Loop(Checkpoints):
                         disable=not self.accelerator.is_main_process)
         self.started = time.perf_counter() - self.state.wall_seconds  # for eval_share, over every launch of the run
         try:
-            with guard.StopSignals() as signals:
-                return self._run(signals)
+            with guard.StopSignals(self._peer_lost) as signals:
+                try:
+                    return self._run(signals)
+                except Exception as e:
+                    if self.ranks is None:
+                        raise
+                    signals.ignore()  # this rank is ending: it says why before the launcher's SIGTERM can end it
+                    # after a collective's error (a RuntimeError), look a few seconds for the rank that caused it
+                    lost = None if isinstance(e, guard.PeerLost) else self._peer_lost(isinstance(e, RuntimeError))
+                    if lost is None:
+                        raise
+                    raise lost from e
         finally:
             self.bar.close()
             self.lock.release()
+            if self.ranks is not None:
+                self.ranks.close()
 
     def _run(self, signals: guard.StopSignals) -> LoopState:
         cfg, acc = self.cfg, self.accelerator
@@ -417,6 +444,28 @@ class Loop(Checkpoints):
         signals.received = int(self.accelerator.reduce(flag, "max").item())
         return bool(signals.received)
 
+    def _peer_lost(self, wait: bool = False) -> guard.PeerLost | None:
+        """This rank's error when another failed, died or stopped answering (`Ranks.lost`); None when all live."""
+        lost = self.ranks.lost(wait) if self.ranks is not None else None
+        return self._lost_error(lost) if lost is not None else None
+
+    def _lost_error(self, lost: Lost) -> guard.PeerLost:
+        last = f"the last checkpoint is {checkpoint_dir(self.run_dir, self.saved_step)}" if self.saved_step >= 0 \
+            else "no checkpoint was written yet"
+        return guard.PeerLost(f"rank {lost.rank} {lost.how} after step {self.state.step} ({lost.seen}); {last}; "
+                              "rerun the same command to resume")
+
+    def wait_for_everyone(self) -> None:
+        """Every rank here. In a launch with a store the ranks meet there, outside any collective: one may wait for
+        another's longer work (rank 0 writing a checkpoint) as long as that one lives, not only
+        loop.collective_timeout_minutes; raises `guard.PeerLost` if a rank failed, died or went silent that long."""
+        if self.ranks is None:
+            self.accelerator.wait_for_everyone()
+            return
+        lost = self.ranks.meet()
+        if lost is not None:
+            raise self._lost_error(lost)
+
     def _slowest_rank_seconds(self) -> float:
         """Training seconds of the slowest rank, so that every rank stops at the same step."""
         seconds = torch.tensor([self.state.train_seconds], device=self.accelerator.device)
@@ -433,9 +482,10 @@ class Loop(Checkpoints):
             acc = self.accelerator
             self.method.eval()
             with torch.no_grad(), self.autocast(), self._evaluation_context(), \
-                    sharded(Shard(acc.process_index, acc.num_processes, self.sharded)):  # training's precision
-                metrics = self.evaluate(self.unwrapped, self.state.step)
+                    sharded(Shard(acc.process_index, acc.num_processes, self.sharded, self.wait_for_everyone)):
+                metrics = self.evaluate(self.unwrapped, self.state.step)  # in training's precision
             self.method.train()
+            self.wait_for_everyone()
             metrics = broadcast_object_list([metrics])[0]  # rank 0's figures (per-rank timings differ)
             now = time.perf_counter()
             self.state.eval_seconds += now - t
@@ -457,10 +507,23 @@ class Loop(Checkpoints):
     def log(self, row: dict) -> None:
         row = {"step": self.state.step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}}
         if self.accelerator.is_main_process:
-            with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            with open(self.run_dir / METRICS, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=self.state.step)
+
+
+def keep_metrics_through(path: Path, step: int) -> None:
+    """Drop the lines of metrics.jsonl logged past `step`, the step a launch starts from (a resume logs again the steps
+    a killed launch logged after its last checkpoint), and a line a kill left half-written; rewritten whole (temp file
+    + rename), so a crash meanwhile leaves the old file. Every reader then reads each step once as it reads any JSON
+    lines, where marking lines superseded would make each of them skip those."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        write_atomically(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
 @contextlib.contextmanager

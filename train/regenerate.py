@@ -1,7 +1,8 @@
 """Rewrite every assistant turn of a chat dataset with the target itself (self-distillation).
 
     draftsmith regenerate --target DIR --data PATH --out OUT.jsonl [--temperature T [T ...]]
-        [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S] [--server URL]
+        [--batch-size B] [--max-new-tokens N] [--split S] [--limit K] [--seed S]
+        [--server URL [--request-timeout SECONDS]]
 
 A drafter learns to predict the target, so it should train on the target's own answers: the
 Medusa and EAGLE authors regenerate their training data this way. For every conversation, each
@@ -12,8 +13,10 @@ with a user turn gets one more, generated assistant turn, so a file of prompts w
 Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled). With
 `--server URL` an OpenAI-compatible server answers instead (llama-server, vLLM, SGLang serving the same
 weights; data/server.py): B conversations in flight as concurrent requests, each written as soon as all its
-turns are answered, the prompts rendered and tokenized here exactly as in-process. If the server goes away,
-the rows written so far stay and rerunning the same command continues.
+turns are answered, the prompts rendered and tokenized here exactly as in-process. A request that fails for a
+reason that passes (the server busy, restarting, cut off mid-answer, or silent for --request-timeout seconds) is
+tried again with backoff; if the server stays away, the rows written so far stay and rerunning the same command
+continues.
 Several temperatures answer every conversation once per temperature, one temperature after the other
 (`--temperature 0 1`: the states both greedy and sampled decoding visit), each row then with id
 `ID-T<t>` and its `temperature`.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import threading
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,7 +49,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.data.chat import to_messages
 from draftsmith.data.core import DiskFull, check_free, is_disk_full
 from draftsmith.data.dataset import DataConfig, load_raw
-from draftsmith.data.server import Server, ServerError
+from draftsmith.data.server import REQUEST_TIMEOUT, Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli
 
@@ -73,6 +77,14 @@ def read_done(out: Path) -> set[str]:
         with open(out, "r+b") as fh:
             fh.truncate(good)
     return done
+
+
+def append(fh: TextIO, row: dict[str, Any]) -> None:
+    """Write `row` to the open JSONL `fh` as one line and make it durable (flushed and fsynced), so that every
+    row answered before an error, a kill or a crash is kept and a rerun skips it."""
+    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
 
 
 def conversations(data: str, split: str, limit: int) -> list[dict[str, Any]]:
@@ -208,17 +220,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server", default="", help="URL of an OpenAI-compatible server serving the target "
                         "(llama-server, vLLM, SGLang) to answer instead of this process; --batch-size requests at once")
+    parser.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
+                        help="with --server: seconds without an answer before a request is tried again "
+                        "(default %(default)g)")
     args = parser.parse_args(argv)
     args.target = resolve_target(args.target)
-    if min(args.temperature) < 0 or args.batch_size < 1 or args.max_new_tokens < 1:
-        parser.error("--temperature must be >= 0, --batch-size and --max-new-tokens >= 1")
+    if min(args.temperature) < 0 or args.batch_size < 1 or args.max_new_tokens < 1 or args.request_timeout <= 0:
+        parser.error("--temperature must be >= 0, --batch-size and --max-new-tokens >= 1, --request-timeout > 0")
     if not (Path(args.target) / "config.json").is_file():
         parser.error(f"--target {args.target} is not a model directory (no config.json)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(args.seed)
 
     if args.server:
-        model = Server(args.server, args.seed)
+        model = Server(args.server, args.seed, args.request_timeout)
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(
@@ -256,8 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 for row in answered(regenerate_batch, model, tokenizer, rows, temperature, args.max_new_tokens,
                                     args.batch_size):
-                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    fh.flush()
+                    append(fh, row)
                     written += 1
                     if written % args.batch_size == 0 or written == total:
                         log.info("regenerate: %d/%d conversations (temperature %g), %.1fs", written, total,

@@ -45,11 +45,12 @@ from draftsmith.data.prompts import (
     build_prompts,
     build_text_prompts,
 )
-from draftsmith.data.server import Server, ServerError
+from draftsmith.data.server import REQUEST_TIMEOUT, Server, ServerError
 from draftsmith.models.zoo import resolve_target
 from draftsmith.train.guard import cli
 from draftsmith.train.regenerate import (
     answered,
+    append,
     complete,
     in_process,
     read_done,
@@ -136,7 +137,12 @@ def main(argv: list[str] | None = None) -> None:
                         "another domain, data/prompts.py build_other_prompts, seeded by --seed) and stop; chat only")
     parser.add_argument("--server", default="", help="URL of an OpenAI-compatible server serving the target "
                         "(llama-server, vLLM, SGLang) to answer instead of this process; --batch-size requests at once")
+    parser.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT,
+                        help="with --server: seconds without an answer before a request is tried again "
+                        "(default %(default)g)")
     args = parser.parse_args(argv)
+    if args.request_timeout <= 0:
+        parser.error("--request-timeout must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     name = Path(args.target).name
     work = Path(args.work or Path("runs") / "self_distill" / name) / ("broad" if args.broad else "")
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(args.seed + len(done))
     if args.server:
-        model = Server(args.server, args.seed)
+        model = Server(args.server, args.seed, args.request_timeout)
     else:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer.padding_side = "left"
@@ -210,8 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for row in answered(continue_batch if text else regenerate_batch, model, tokenizer, todo, args.temperature,
                                 args.max_new_tokens, args.batch_size):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-                fh.flush()
+                append(fh, row)
                 written += 1
                 timing_file.write_text(json.dumps({"seconds": spent + time.perf_counter() - t0}))
                 if written % args.batch_size == 0 or written == len(todo):

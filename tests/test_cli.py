@@ -68,3 +68,30 @@ def test_the_registry_is_the_one_method_list_the_cli_leaderboard_and_gpu_check_r
     assert all((RECIPES / r.recipe).is_file() and r.entry in cli.TRAIN for r in registry.RECIPES)
     keys = [r.key for r in registry.RECIPES]
     assert [m.key for m in bench.METHODS if m.script] == keys == list(gpu_check.CHECKS)
+
+
+def test_train_help_exits_0_with_every_method_and_its_shipped_recipes(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: draftsmith train METHOD [RECIPE]")
+    listed = {method: recipes.split(", ") for method, recipes in
+              (line.split(None, 1) for line in out.split("methods and their shipped recipes:\n")[1].splitlines())}
+    assert listed == {method: sorted(p.stem for p in (RECIPES / method).glob("*.yaml")) for method in cli.TRAIN}
+    assert "medusa2-tiny-code" in listed["medusa"] and "gemma3-270m" in listed["eagle3"]
+
+
+def test_export_help_lists_each_methods_formats_from_the_registry(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--help"])
+    assert e.value.code == 0
+    listed, method = {}, None
+    for line in capsys.readouterr().out.split("formats by method:\n")[1].splitlines():
+        if line.startswith("    "):
+            listed[method].append(line.split()[0])
+        else:
+            method = line.strip()
+            listed[method] = []
+    assert listed == {m: list(p.formats) for m, p in registry.METHODS.items()}
+    assert "speculators" in listed["eagle"] and listed["layerskip"] == ["hf"]

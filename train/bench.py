@@ -32,8 +32,8 @@ rates), c = drafter seconds per drafted token / target seconds per verification 
 from that evaluation's timing; speedup(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha)(1 + gamma c))
 for gamma = 1..8 (Medusa: up to its number of heads), gamma* its argmax, which is then measured.
 
-Writes the JSON, a Markdown table (`.md`) and three plots beside it: tau by method, acceptance by
-draft position, tau against training step (the runs' checkpoint evaluations in metrics.jsonl).
+Writes the JSON, a Markdown table (`.md`) and a plot (`.png`) beside it, three panels: tau by method, acceptance
+by draft position, tau against training step (the runs' checkpoint evaluations in metrics.jsonl).
 
 Time at the defaults: 44 min 15 s measured on 2 CPU cores shared with lower-priority jobs (6 methods
 trained 5 min each, plus start-up, checkpoint evaluations and the final evaluation of 15 variants on
@@ -323,8 +323,9 @@ def markdown(board: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(board: dict, out: Path) -> list[Path]:
-    """tau by method, acceptance by draft position, tau against training step: PNGs named after `out`."""
+def plots(board: dict, out: Path) -> Path:
+    """tau by method, acceptance by draft position, tau against training step: one PNG of three panels beside
+    `out`."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -335,39 +336,34 @@ def plots(board: dict, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = [(f"{e['name']} {v}", r) for e in board["methods"].values() for v, r in e.get("variants", {}).items()]
-    paths = [out.with_name(f"{out.stem}_{name}.png") for name in ("tau", "acceptance", "tau_vs_step")]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, (taus, acceptance, curves) = plt.subplots(3, 1, figsize=(10, 14))
     width = 0.4
     for j, t in enumerate(("0", "1")):
-        ax.bar([i + (j - 0.5) * width for i in range(len(rows))], [r["by_temperature"][t]["tau"] for _, r in rows],
-               width, label=f"T={t}")
-    ax.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=30, ha="right")
-    ax.set(ylabel="tau (tokens per target forward)", title="tau by method")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+        taus.bar([i + (j - 0.5) * width for i in range(len(rows))], [r["by_temperature"][t]["tau"] for _, r in rows],
+                 width, label=f"T={t}")
+    taus.set_xticks(range(len(rows)), [n for n, _ in rows], rotation=30, ha="right")
+    taus.set(ylabel="tau (tokens per target forward)", title="tau by method")
+    taus.legend()
+    acceptance.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for name, r in rows:
         acc = r["by_temperature"]["0"]["acceptance_by_position"][:8]
-        ax.plot(range(1, len(acc) + 1), acc, "--" if name.endswith("tree") else "-", marker="o", label=name)
-    ax.set(xlabel="draft position", ylabel="conditional acceptance (T=0)", ylim=(0, 1.05),
-           title="acceptance by draft position")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+        acceptance.plot(range(1, len(acc) + 1), acc, "--" if name.endswith("tree") else "-", marker="o", label=name)
+    acceptance.set(xlabel="draft position", ylabel="conditional acceptance (T=0)", ylim=(0, 1.05),
+                   title="acceptance by draft position")
+    acceptance.legend(fontsize=7)
     for e in board["methods"].values():
         curve = (e.get("training") or {}).get("curve")
         if curve:
-            ax.plot([s for s, _ in curve], [t for _, t in curve], marker="o", label=f"{e['name']} ({e['training']['curve_metric']})")
-    ax.set(xlabel="training step", ylabel="tau at checkpoint evaluation", title="tau against training step")
-    if ax.lines:
-        ax.legend(fontsize=7)
+            curves.plot([s for s, _ in curve], [t for _, t in curve], marker="o",
+                        label=f"{e['name']} ({e['training']['curve_metric']})")
+    curves.set(xlabel="training step", ylabel="tau at checkpoint evaluation", title="tau against training step")
+    if curves.lines:
+        curves.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(paths[2], dpi=110)
-    plt.close("all")
-    return paths
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ---- the command ---------------------------------------------------------------------------------------

@@ -34,20 +34,37 @@ COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.mai
                                  "gpu-check": gpu_check.main, "llama-cpp": llama_cpp.main}
 
 
+def shipped_recipes(method: str) -> list[str]:
+    """The names of METHOD's shipped recipes, recipes/METHOD/*.yaml."""
+    return sorted(p.stem for p in (RECIPES / method).glob("*.yaml"))
+
+
 def recipe_path(method: str, recipe: str) -> Path:
     """A recipe by shipped name (`medusa2-tiny-code`) or as a YAML path."""
     if recipe.endswith((".yaml", ".yml")):
         return Path(recipe)
     shipped = RECIPES / method / f"{recipe}.yaml"
     if not shipped.is_file():
-        names = sorted(p.stem for p in (RECIPES / method).glob("*.yaml"))
-        raise SystemExit(f"draftsmith train {method}: no recipe {recipe!r}; shipped: {', '.join(names)}, "
-                         "or pass a YAML file")
+        raise SystemExit(f"draftsmith train {method}: no recipe {recipe!r}; shipped: "
+                         f"{', '.join(shipped_recipes(method))}, or pass a YAML file")
     return shipped
+
+
+def train_help() -> str:
+    """`draftsmith train --help`: the command line, then every METHOD with its shipped recipes."""
+    width = max(map(len, TRAIN))
+    return ("usage: draftsmith train METHOD [RECIPE] [key=value ...]\n\n"
+            "Trains METHOD in this process on RECIPE (a shipped name or a YAML file; none: the method's default\n"
+            "recipe, on the embedded reference target), with dotted key=value overrides. `draftsmith train METHOD\n"
+            "--help` lists the method's options.\n\nmethods and their shipped recipes:\n"
+            + "\n".join(f"  {m:<{width}}  {', '.join(shipped_recipes(m))}" for m in TRAIN))
 
 
 def train(argv: list[str]):
     """`draftsmith train METHOD [RECIPE] [key=value ...]` -> the entry script's main (its Loop)."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(train_help())
+        raise SystemExit(0)  # as every command's --help ends
     if not argv or argv[0] not in TRAIN:
         raise SystemExit(f"draftsmith train METHOD [RECIPE] [key=value ...]; METHOD: {', '.join(TRAIN)}")
     method, rest = argv[0], argv[1:]

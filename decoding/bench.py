@@ -135,7 +135,8 @@ def lookahead(drafter_dir, target) -> dict[str, Drafting]:
 
 def draft(drafter_dir, target) -> dict[str, Drafting]:
     model = truncated_copy(target, 2)  # untrained: the target's first 2 layers, weights shared
-    return {"chain": Drafting(target, lambda g: DraftModel(model, target.config.vocab_size, g), [model], gamma=5)}
+    V = target.config.get_text_config().vocab_size
+    return {"chain": Drafting(target, lambda g: DraftModel(model, V, g), [model], gamma=5)}
 
 
 BASELINES = {"ngram": ngram, "suffix": suffix, "lookahead": lookahead, "draft": draft}

@@ -3,9 +3,11 @@
 After a verifying forward the cache holds the committed prefix followed by [root, nodes]. Only the
 root and the accepted path stay: for a chain that is a prefix of the new entries (a crop), for a
 tree an index-select. The decoder always builds its caches as `DynamicCache()` without a config,
-so every layer is a full `DynamicLayer`, also on models with sliding-window layers (Gemma, Mistral):
-the window is applied by the attention mask instead (see `tree.tree_attention_mask`), which keeps
-rollback exact where a truncated sliding-window cache could not be rolled back.
+so every layer is a full `DynamicLayer`, also on models with sliding-window layers (Gemma, Mistral)
+or attention chunks (Llama 4): the window or chunk is applied by the attention mask instead (see
+`tree.tree_attention_mask`), which keeps rollback exact where a truncated sliding-window cache could
+not be rolled back. Models with layers that keep a recurrent state instead of keys and values (linear
+attention, state-space layers) are refused: `rollback_refusal`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,23 @@ from transformers.cache_utils import DynamicLayer
 def new_cache() -> DynamicCache:
     """A cache of full layers that the decoder can roll back."""
     return DynamicCache()
+
+
+def rollback_refusal(config) -> str:
+    """Why the decoder cannot roll back a model of this config, in one line naming its family; '' where it can.
+
+    Layers whose cache is a recurrent state rather than keys and values (linear attention: Qwen3-Next's Gated
+    DeltaNet; state-space layers), as transformers' own cache for the config holds them, cannot be cropped back to
+    the accepted tokens, and a token tree cannot be verified through them (the state mixes sibling nodes).
+    """
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    recurrent = sorted(kinds - {"DynamicLayer", "DynamicSlidingWindowLayer"})
+    if not recurrent:
+        return ""
+    return (f"{config.model_type}: its linear attention or state-space layers ({', '.join(recurrent)}) keep a "
+            "recurrent state that speculative decoding cannot roll back to the accepted tokens, nor verify a token "
+            "tree through; pick a target whose layers all cache keys and values (transformers' own generate decodes "
+            "it without a drafter)")
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:

@@ -2,8 +2,9 @@
 
     tokens, stats = speculative_generate(target, proposer, input_ids, max_new_tokens=64)
 
-Any Hugging Face causal LM works as the target: the tree is scored through the model's normal
-forward with a 4-D additive mask (a dict of masks per layer type for models with sliding-window
+Any Hugging Face causal LM works as the target (but one whose layers keep a recurrent state, refused in
+one line: `cache.rollback_refusal`): the tree is scored through the model's normal forward with a 4-D
+additive mask (a dict of masks per layer type for models with sliding-window or chunked-attention
 layers) and explicit position ids; on a CPU, covered architectures run the same modules through
 `lean.LeanForward`, without Hugging Face's per-forward machinery (`decoder_forward`). Batch size 1:
 `generate_batch` decodes several prompts in rounds whose verifications share one target forward, each
@@ -86,7 +87,7 @@ class LazyLogits:
 
     def __init__(self, target, hidden: torch.Tensor, head=None):
         self.hidden, self.head = hidden, target.get_output_embeddings() if head is None else head  # hidden [n+1, H]
-        self.cap = getattr(target.config, "final_logit_softcapping", None)
+        self.cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         self.rows: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -129,11 +130,15 @@ def _clock(device: torch.device) -> float:
 
 
 def attention_masks(config, parents: torch.Tensor, cache_len: int, dtype: torch.dtype):
-    """The tree mask in the form the model's forward takes: one tensor, or a dict per layer type."""
+    """The tree mask in the form the model's forward takes: one tensor, or a dict per layer type (sliding-window
+    layers see their window, Llama 4's chunked-attention layers their chunk). A multimodal model's text tower
+    (`get_text_config()`) sets the layers."""
+    config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        return {t: tree_attention_mask(parents, cache_len, dtype, window if t == "sliding_attention" else None)
+        return {t: tree_attention_mask(parents, cache_len, dtype, window if t == "sliding_attention" else None,
+                                       config.attention_chunk_size if t == "chunked_attention" else None)
                 for t in set(layer_types)}
     if window is not None and getattr(config, "use_sliding_window", True):
         return tree_attention_mask(parents, cache_len, dtype, window)
@@ -248,6 +253,9 @@ class _Sequence:
                  sampling: Sampling | None, rule: str, eos: set[int], stats: DecodeStats, body, lockstep: bool = False):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [1, L>=1] (batch size 1), got {tuple(input_ids.shape)}")
+        why = kv.rollback_refusal(target.config)
+        if why:
+            raise ValueError(why)
         self.target, self.proposer, self.max_new_tokens, self.rule, self.eos = target, proposer, max_new_tokens, rule, eos
         self.sampling, self.stats, self.forward, self.lockstep = sampling or Sampling(), stats, body, lockstep
         self.device, self.dtype, self.layers = input_ids.device, target.dtype, list(proposer.hidden_layers)

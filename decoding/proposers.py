@@ -99,7 +99,7 @@ class DraftModel(Proposer):
         if target_tokenizer is not None and (Path(path) / "tokenizer_config.json").exists():
             check_same_tokenizer(AutoTokenizer.from_pretrained(path), target_tokenizer, str(path))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
-        return cls(model, target.config.vocab_size, gamma)
+        return cls(model, target.config.get_text_config().vocab_size, gamma)
 
     def reset(self) -> None:
         self.cache = kv.new_cache()
@@ -147,17 +147,19 @@ def draw(logits: torch.Tensor, sampling: Sampling, qs: list[torch.Tensor]) -> in
 def truncated_copy(target, layers: int) -> torch.nn.Module:
     """The target cut after its first `layers` decoder layers (final norm and LM head kept).
 
-    Built through the target's own class from its config with fewer layers, so it runs the normal
-    Hugging Face forward with its own KV cache; every weight is the target's own Parameter (shared,
-    not copied), so it follows the target while that trains (LayerSkip) and costs no memory.
+    Built through the target's own class from its config with fewer layers (in its text config: a multimodal
+    model keeps its other towers), so it runs the normal Hugging Face forward with its own KV cache; every weight is
+    the target's own Parameter (shared, not copied), so it follows the target while that trains (LayerSkip) and
+    costs no memory.
     """
-    L = target.config.num_hidden_layers
+    L = target.config.get_text_config().num_hidden_layers
     if not 1 <= layers < L:
         raise ValueError(f"exit layer {layers} must be in 1..{L - 1} for a {L}-layer target")
     config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:layers]
+    text = config.get_text_config()
+    text.num_hidden_layers = layers
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:layers]
     draft = type(target)(config)
     missing, _ = draft.load_state_dict(target.state_dict(keep_vars=True), strict=False, assign=True)
     if missing:

@@ -140,20 +140,23 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 def tree_attention_mask(parents: torch.Tensor, cache_len: int, dtype: torch.dtype,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """Additive 4-D mask [1, 1, n+1, cache_len+n+1] for the verifying forward (0 = attend, min = blocked).
 
     Rows are [root, nodes]; columns are the cached prefix then [root, nodes]. With `sliding_window`
-    a query at position i only sees keys at positions j > i - sliding_window, as Hugging Face does.
+    a query at position i only sees keys at positions j > i - sliding_window, with `chunk` (Llama 4's
+    chunked attention) only keys in its own chunk, j // chunk == i // chunk, as Hugging Face does.
     """
     lay = layout(parents)
     n1, device = lay.depth.numel(), lay.depth.device
     mask = torch.zeros(n1, cache_len + n1, dtype=dtype, device=device)  # the prefix is visible to every row
     mask[:, cache_len:].masked_fill_(~lay.visible, torch.finfo(dtype).min)
-    if sliding_window is not None:
+    if sliding_window is not None or chunk is not None:
         q_pos = cache_len + lay.depth  # [n+1]
         k_pos = torch.cat([torch.arange(cache_len, device=device), q_pos])  # [cache_len+n+1]
-        mask.masked_fill_(k_pos[None, :] <= q_pos[:, None] - sliding_window, torch.finfo(dtype).min)
+        hidden = k_pos[None, :] <= q_pos[:, None] - sliding_window if sliding_window is not None else \
+            k_pos[None, :] // chunk != q_pos[:, None] // chunk  # [n+1, cache_len+n+1]
+        mask.masked_fill_(hidden, torch.finfo(dtype).min)
     return mask[None, None]  # [1, 1, n+1, cache_len+n+1]
 
 

@@ -102,19 +102,20 @@ def build_draft(target: Target, cfg: DistillConfig) -> nn.Module:
     if cfg.init == "truncate":
         draft = copy.deepcopy(truncated_copy(model, cfg.layers))  # own weights, not the target's
     elif cfg.init == "config":
-        draft = AutoModelForCausalLM.from_config(narrow_config(model.config, cfg), dtype=model.dtype)
+        draft = AutoModelForCausalLM.from_config(narrow_config(model.config.get_text_config(), cfg),
+                                                 dtype=model.dtype)
         draft.generation_config = copy.deepcopy(model.generation_config)
     else:
         draft = load_draft_checkpoint(cfg.checkpoint, target)
-    V = model.config.vocab_size
-    if draft.config.vocab_size < V:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) is smaller than the target's ({V}); "
+    V, V_draft = model.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
+    if V_draft < V:
+        raise ValueError(f"the draft's vocabulary ({V_draft}) is smaller than the target's ({V}); "
                          "a draft must cover the target's vocabulary")
     return draft.to(device=model.device, dtype=model.dtype).requires_grad_(True).train()
 
 
 def narrow_config(config, cfg: DistillConfig):
-    """The target's config with the draft's depth and width (the vocabulary is kept)."""
+    """The target's (text) config with the draft's depth and width (the vocabulary is kept)."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = cfg.layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -258,7 +259,7 @@ class Distill(MethodBase):
         ids, mask = batch["input_ids"], batch["loss_mask"]
         inputs = {"input_ids": ids, "position_ids": batch.get("position_ids"),
                   "attention_mask": batch.get("attention_mask"), "use_cache": False}
-        V = self.target.config.vocab_size
+        V = self.target.config.get_text_config().vocab_size
         q_logits = self.draft(**inputs).logits[..., :V]  # [b, s, V]
         p_logits = None
         if self.cfg.loss != "ce":
@@ -282,7 +283,7 @@ class Distill(MethodBase):
 
     def proposer(self, target=None) -> DraftModel:
         """The decoder's draft-model proposer over this draft (gamma tokens per step)."""
-        return DraftModel(self.draft, self.target.config.vocab_size, self.cfg.gamma)
+        return DraftModel(self.draft, self.target.config.get_text_config().vocab_size, self.cfg.gamma)
 
     def save_pretrained(self, out: str | Path) -> None:
         """A plain Hugging Face model directory (weights, config, tokenizer, generation config) + drafter.json."""
@@ -338,4 +339,5 @@ def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
     """The leaderboard's draft-model chain at the gamma it was trained for."""
     gamma = read_drafter_meta(drafter_dir)["gamma"]
     draft = DraftModel.from_pretrained(drafter_dir, target).model
-    return {"chain": Drafting(target, lambda g: DraftModel(draft, target.config.vocab_size, g), [draft], gamma=gamma)}
+    V = target.config.get_text_config().vocab_size
+    return {"chain": Drafting(target, lambda g: DraftModel(draft, V, g), [draft], gamma=gamma)}

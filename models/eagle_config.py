@@ -92,24 +92,40 @@ def aux_layers(cfg: EagleConfig, num_layers: int) -> list[int]:
     return [i + num_layers + 1 if i < 0 else i for i in cfg.aux_layers] or default_aux_layers(num_layers)
 
 
-def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
-    """A one-layer Llama config with the target's width, heads and rope (what the engines instantiate)."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    H = text.hidden_size
+def draft_rope(text) -> dict:
+    """The target's rope for a drafter layer: its type, base and scaling (llama3, yarn, ...). Where the target has one
+    rope per layer type (Gemma 3: another base for its sliding-window layers) the full-attention layers' one, as the
+    drafter's keys span the whole context as theirs do. A partial rotary factor (Phi-3, GLM-4) is dropped: the drafter
+    is a Llama layer that rotates whole heads, as the engines build it from the exported config."""
     rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
-    kv_heads = getattr(cfg, "num_key_value_heads", 0) or getattr(text, "num_key_value_heads", None) \
-        or text.num_attention_heads
-    if text.num_attention_heads % kv_heads:
+    rope = rope.get("full_attention", rope)
+    return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+
+
+def draft_config(target_config, cfg: EagleConfig, draft_vocab_size: int) -> LlamaConfig:
+    """A one-layer Llama config with the target's width, heads, rope, RMSNorm eps and vocabulary, read from its text
+    config (a multimodal model's text tower: `get_text_config()`); what the engines instantiate.
+
+    head_dim is the target's, except under multi-head latent attention (DeepSeek-V3: `kv_lora_rank`), whose config's
+    head_dim is only the rotary part of its query/key heads: there heads x head_dim = the target's width. The MLP is
+    dense with the target config's `intermediate_size` (unless eagle.intermediate_size says otherwise): on MoE
+    targets the width of their dense layers where they have some (DeepSeek-V3 18432, GLM-4.5 10944, Qwen3-30B-A3B
+    6144: about what their routed and shared experts run per token), else one expert's (Mixtral, gpt-oss, Llama 4),
+    so that a drafter layer costs at most about one of the target's layers per token."""
+    text = target_config.get_text_config()
+    H, heads = text.hidden_size, text.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", 0) or getattr(text, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
         raise ConfigError(f"eagle.num_key_value_heads={kv_heads} does not divide the target's "
-                          f"{text.num_attention_heads} attention heads; use a divisor of it (0: the target's)")
+                          f"{heads} attention heads; use a divisor of it (0: the target's)")
+    latent = getattr(text, "kv_lora_rank", None) is not None
     config = LlamaConfig(
         hidden_size=H, intermediate_size=cfg.intermediate_size or getattr(text, "intermediate_size", 4 * H),
-        num_hidden_layers=cfg.num_layers, num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=kv_heads,
-        head_dim=getattr(text, "head_dim", None) or H // text.num_attention_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=H // heads if latent else getattr(text, "head_dim", None) or H // heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size,
-        max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=dict(rope),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 4096), rope_parameters=draft_rope(text),
         hidden_act="silu", tie_word_embeddings=False)
     config.draft_vocab_size, config.target_hidden_size = draft_vocab_size, H
     config.fc_norm = getattr(cfg, "fc_norm", False)  # EAGLE-3 only (DFlash builds its layers from the same config)

@@ -40,6 +40,7 @@ from draftsmith.decoding.verify import Sampling
 from draftsmith.models.export import Format
 from draftsmith.models.lm import masked_ce
 from draftsmith.models.method import MethodBase
+from draftsmith.models.target import decoder
 
 SCALES = {"uniform": lambda l: 1.0, "linear": float, "sum": lambda l: l * (l + 1) / 2,
           "sqrt": math.sqrt, "inverse": lambda l: 1.0 / l}
@@ -102,8 +103,8 @@ def dropout_rates(num_layers: int, p_max: float) -> list[float]:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder's list of layers, found generically (the ModuleList of num_hidden_layers blocks)."""
-    n = model.config.num_hidden_layers
-    for module in model.get_decoder().modules():
+    n = model.config.get_text_config().num_hidden_layers
+    for module in decoder(model).modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
             return module
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
@@ -112,7 +113,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def final_norm(model: nn.Module) -> nn.Module:
     """The norm the decoder applies after its last layer (a direct child whose class is a norm)."""
     layers = decoder_layers(model)
-    norms = [m for m in model.get_decoder().children() if "norm" in type(m).__name__.lower() and m is not layers]
+    norms = [m for m in decoder(model).children() if "norm" in type(m).__name__.lower() and m is not layers]
     if len(norms) != 1:
         raise ValueError(f"cannot find the final norm of {type(model).__name__} (candidates: {len(norms)})")
     return norms[0]
@@ -122,7 +123,7 @@ class LayerDropout:
     """Forward hooks that make layer l the identity for whole samples with probability p_l (training only)."""
 
     def __init__(self, model: nn.Module, p_max: float):
-        self.rates = dropout_rates(model.config.num_hidden_layers, p_max)
+        self.rates = dropout_rates(model.config.get_text_config().num_hidden_layers, p_max)
         self.handles = [layer.register_forward_hook(self._hook(p), with_kwargs=True)
                         for layer, p in zip(decoder_layers(model), self.rates, strict=True) if p > 0]
 
@@ -151,7 +152,7 @@ class LayerSkip(MethodBase):
                                                      target_modules=cfg.lora_targets))
         self.model = model
         base = self.base
-        self.L = base.config.num_hidden_layers
+        self.L = base.config.get_text_config().num_hidden_layers
         self.curriculum = Curriculum(cfg.curriculum, self.L, cfg.rotation, lambda: self.progress())
         self.dropout = LayerDropout(base, cfg.dropout_max) if cfg.dropout_max > 0 else None
 
@@ -171,7 +172,7 @@ class LayerSkip(MethodBase):
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ the config's logit soft-cap) on an intermediate state [b, s, H] -> [b, s, V]."""
         logits = self.lm_head(self.norm(hidden))
-        cap = getattr(self.base.config, "final_logit_softcapping", None)
+        cap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -241,7 +242,7 @@ class SplitForward:
         if model_type not in SPLIT_FORWARD:
             raise ValueError(f"exit-query cache: no split forward for model_type {model_type!r} (supported: "
                              f"{', '.join(SPLIT_FORWARD)}); use EarlyExitDraft, which recomputes layers [:E]")
-        self.config, self.decoder, self.layers = target.config, target.get_decoder(), decoder_layers(target)
+        self.config, self.decoder, self.layers = target.config, decoder(target), decoder_layers(target)
         self.layer_types = getattr(target.config, "layer_types", None)
         self.rope_per_type = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
 
@@ -282,13 +283,14 @@ class EarlyExit(Proposer):
     """
 
     def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
-        self.split, self.L = SplitForward(target), target.config.num_hidden_layers
+        self.split, self.L = SplitForward(target), target.config.get_text_config().num_hidden_layers
         if not 1 <= exit_layer < self.L:
             raise ValueError(f"exit layer {exit_layer} must be in 1..{self.L - 1} for a {self.L}-layer target")
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.exit_layer, self.gamma, self.cache = exit_layer, gamma, None
-        self.head, self.cap = target.get_output_embeddings(), getattr(target.config, "final_logit_softcapping", None)
+        self.head = target.get_output_embeddings()
+        self.cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         self.reset()
 
     def reset(self) -> None:
@@ -344,7 +346,8 @@ class EarlyExitDraft(DraftModel):
     """
 
     def __init__(self, target: nn.Module, exit_layer: int, gamma: int = 4):
-        super().__init__(truncated_copy(target, exit_layer), target.config.vocab_size, gamma)
+        V = target.config.get_text_config().vocab_size
+        super().__init__(truncated_copy(target, exit_layer), V, gamma)
         self.exit_layer = exit_layer
 
 

@@ -1,6 +1,6 @@
 """The target every method shares: any Hugging Face causal LM, loaded frozen, with one generic tap.
 
-No per-architecture code: the decoder stack comes from `get_decoder()`, the LM head from
+No per-architecture code: the decoder stack comes from `get_decoder()` (`decoder`), the LM head from
 `get_output_embeddings()`, the embedding from `get_input_embeddings()`. The tap returns the
 decoder's `last_hidden_state`, which is the final hidden state *after* the final norm (checked
 for Llama, GPT-2, Qwen2 and Gemma in tests/test_medusa.py: `lm_head(tap.hidden) == logits`),
@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.data.core import DamagedFile, read_file, safetensors_damage, what_is_wrong
+from draftsmith.decoding.cache import rollback_refusal
 from draftsmith.models.zoo import NAMED_TARGETS, resolve_target
 
 REFERENCE_TARGET = Path(__file__).resolve().parent / "reference-target"
@@ -57,9 +58,8 @@ class Target(nn.Module):
     def tap(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
             position_ids: torch.Tensor | None = None, layers: tuple[int, ...] = ()) -> TapOutput:
         """One decoder forward (no LM head, no cache) -> final hidden state and chosen layers."""
-        out = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False,
-                                       output_hidden_states=bool(layers))
+        out = decoder(self.model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False, output_hidden_states=bool(layers))
         n = len(out.hidden_states) - 1 if layers else 0
         for i in layers:
             if not 0 <= i <= n:
@@ -74,8 +74,28 @@ class Target(nn.Module):
         else:
             bias = getattr(self.lm_head, "bias", None)
             logits = F.linear(hidden, self.lm_head.weight[rows], None if bias is None else bias[rows])
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """A causal LM's decoder stack, without its head: `get_decoder()`, or the `model` inside what that returns where
+    it is the causal LM itself (Llama 4's text model, whose base_model_prefix names the multimodal checkpoint's)."""
+    found = model.get_decoder()
+    return found.model if found.get_output_embeddings() is not None else found
+
+
+def refusal(config, entry: str) -> str:
+    """Why the training entry `entry` (train/ENTRY.py: medusa, eagle3, ...) cannot run on a target of this config, in
+    one line naming the target's family, the entry and the reason; '' where it can. The one list of what a family
+    cannot do, asked by the runner (train/runner.py) once the target is loaded, before anything is written. Every
+    method measures its drafter by speculative decoding at each checkpoint, so what the decoder cannot roll back
+    (`decoding.cache.rollback_refusal`: linear-attention and state-space layers) is refused for all."""
+    why = rollback_refusal(config)
+    if not why:
+        return ""
+    family, _, reason = why.partition(": ")
+    return f"{family}: {entry} cannot train on it, as {reason}"
 
 
 @dataclass

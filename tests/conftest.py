@@ -87,28 +87,35 @@ def train_steps(method: torch.nn.Module, loss_fn, batch: dict, steps: int = 200,
     return metrics
 
 
-def chi2_two_tokens(model, proposer, trials: int = 1500, batch: int = 1) -> tuple[float, float]:
-    """Sample two tokens after a fixed prompt `trials` times through speculative decoding at T=1: the chi-square
-    statistic of their counts against the target's exact joint distribution, and its 1e-3 critical value. With
-    `batch` > 1, `proposer` makes a fresh proposer and `batch` samples are decoded together (`generate_batch`)."""
+def chi2_two_tokens(model, proposer, trials: int = 1500, batch: int = 1, prompt: torch.Tensor | None = None,
+                    top_k: int = 0) -> tuple[float, float]:
+    """Sample two tokens after a fixed prompt [1, L] (default [[1, 4, 2]]) `trials` times through speculative
+    decoding at T=1: the chi-square statistic of their counts against the target's exact joint distribution, and
+    its 1e-3 critical value. With `batch` > 1, `proposer` makes a fresh proposer and `batch` samples are decoded
+    together (`generate_batch`). With `top_k`, each token is drawn from the target's top k (`Sampling.top_k`): the
+    statistic runs over the k * k pairs that can occur, and a pair that cannot must never be drawn."""
     from draftsmith.decoding.generate import generate_batch, speculative_generate
-    from draftsmith.decoding.verify import Sampling
+    from draftsmith.decoding.verify import Sampling, warp
 
-    vocab = model.config.vocab_size
-    prompt = torch.tensor([[1, 4, 2]])
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.tensor([[1, 4, 2]]) if prompt is None else prompt
+    n = prompt.shape[1]
     with torch.no_grad():
-        p1 = torch.softmax(model(prompt).logits[0, -1], -1)  # [v]
-        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, 4]
-        p2 = torch.softmax(model(both).logits[:, -1], -1)  # [v, v]
+        p1 = warp(model(prompt).logits[0, -1], Sampling(1.0, top_k))  # [v]
+        both = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)  # [v, n + 1]
+        p2 = warp(model(both).logits[:, -1], Sampling(1.0, top_k))  # [v, v]
     expected = (p1[:, None] * p2).flatten() * trials  # [v*v]
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(vocab * vocab)
     for _ in range(trials // batch):
-        sampling = Sampling(temperature=1.0, generator=g)
+        sampling = Sampling(temperature=1.0, top_k=top_k, generator=g)
         outs = [speculative_generate(model, proposer, prompt, 2, sampling, eos_token_id=[])[0]] if batch == 1 else \
             generate_batch(model, [proposer() for _ in range(batch)], [prompt] * batch, 2, [sampling] * batch,
                            eos_token_id=[])[0]
         for out in outs:
-            counts[out[0, 3] * vocab + out[0, 4]] += 1
-    dof = vocab * vocab - 1
-    return float(((counts - expected) ** 2 / expected).sum()), dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+            counts[out[0, n] * vocab + out[0, n + 1]] += 1
+    possible = expected > 0
+    assert counts[~possible].sum() == 0, "drew a pair the target cannot draw"
+    dof = int(possible.sum()) - 1
+    stat = float(((counts - expected)[possible] ** 2 / expected[possible]).sum())
+    return stat, dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3

@@ -135,7 +135,7 @@ def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
                 raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of {len(ids)} "
                                     f"tokens; set eagle.draft_vocab_size={len(ids)}")
             return torch.tensor(ids)
-    return draft_vocab(train, target.config.vocab_size, cfg.eagle.draft_vocab_size)
+    return draft_vocab(train, target.config.get_text_config().vocab_size, cfg.eagle.draft_vocab_size)
 
 
 def checkpoint_evaluator(cfg: Recipe, target, heldout: list[dict]) -> Callable[[Eagle, int], dict]:

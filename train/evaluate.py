@@ -100,8 +100,8 @@ def export_proposer(path: Path, target_path: str, gamma: int | None, dtype: torc
         drafter, meta = loaded
         return target.model, target.tokenizer, EagleProposer(drafter.to(dtype), target.embed, target.lm_head,
                                                              meta["aux_layers"], gamma=gamma or 5)
-    return target.model, target.tokenizer, DraftModel(loaded.to(dtype), target.config.vocab_size,
-                                                      gamma or side.get("gamma", 5))
+    V = target.config.get_text_config().vocab_size
+    return target.model, target.tokenizer, DraftModel(loaded.to(dtype), V, gamma or side.get("gamma", 5))
 
 
 def main(argv: list[str] | None = None) -> dict:

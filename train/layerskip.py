@@ -93,7 +93,7 @@ def check_eval(cfg: Recipe, target) -> list[str] | None:
     """`metric_names` once the target's depth is known, the exit layers checked against it."""
     if target is None:
         return None
-    L = target.config.num_hidden_layers
+    L = target.config.get_text_config().num_hidden_layers
     bad = [E for E in cfg.eval.exit_layers if not 1 <= E < L]
     if bad:
         raise C.ConfigError(f"eval.exit_layers: {bad} out of range for a {L}-layer target; use 1..{L - 1}")

@@ -5,8 +5,9 @@
 An entry script describes its method with a `Spec` (its Recipe, how to build the method and its checkpoint
 evaluation, the metrics that evaluation logs) and calls `run(SPEC, argv)`; the runner does the rest the same way for
 every method: the recipe and overrides validated and loop.best_metric checked against the metrics before anything
-loads, the seed, the target, the training rows, the held-out rows (`eval.heldout_path`, `eval.heldout_split`,
-`eval.heldout_examples`), the shared loop, and one-line errors through `cli`.
+loads, the seed, the target (a family the method cannot take refused in one line: models/target.py `refusal`),
+the training rows, the held-out rows (`eval.heldout_path`, `eval.heldout_split`, `eval.heldout_examples`), the
+shared loop, and one-line errors through `cli`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from draftsmith.data.dataset import build_dataset, heldout_rows
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import make_checkpoint_evaluator
-from draftsmith.models.target import Target, load_target
+from draftsmith.models.target import Target, load_target, refusal
 from draftsmith.train import config as C
 from draftsmith.train.loop import Evaluate, Loop, collate
 
@@ -70,6 +71,9 @@ def run(spec: Spec, argv: list[str] | None = None) -> Loop:
     torch.manual_seed(cfg.loop.seed)
     target = load_target(cfg.target.path, cfg.target.dtype, cfg.target.trust_remote_code,
                          frozen=not spec.trains_target(cfg))
+    why = refusal(target.config, spec.default_recipe.parent.name)  # the entry: its recipes are recipes/ENTRY/
+    if why:
+        raise ValueError(why)
     check_metrics(spec, cfg, target)
     train = spec.data(cfg, target)
     heldout = heldout_rows(cfg.data, target.tokenizer, cfg.eval.heldout_examples, cfg.eval.heldout_path,

@@ -1,22 +1,34 @@
 """DFlash (block-diffusion drafting; Chen et al. 2026, arXiv 2602.06036): a small drafter conditioned on target
-features that fills a block of K tokens in one forward.
+features that fills a block of tokens in one forward; and DSpark, DFlash with a Markov head (`markov_rank` > 0).
 
 The target's hidden states at a few layers (`aux_layers`, Hugging Face hidden_states indices) are fused and
 normed once, c_j = hidden_norm(fc([a_j; b_j; ...])) for every committed position j; each draft layer
-projects them to its own keys and values (the "context"), so the context is never run through the layers.
-The block is the last committed token (the bonus x_p, "anchor") followed by K mask tokens, at positions
-p..p+K; its queries attend to the whole context (positions < p) and to the whole block (bidirectional, one
-denoising step); the output at mask slot i, through the target's own LM head, drafts x_{p+i}:
+projects them to its own keys and values (k_norm and RoPE on the keys: the "context"), so the context is never
+run through the layers. The block is the last committed token x_p ("anchor") followed by mask tokens, at
+positions p..p+B-1; its queries attend to the context (positions < p) and to the whole block (bidirectional, one
+denoising step). DFlash drafts x_{p+i} from mask slot i (i = 1..B-1; the anchor is the bonus token):
 
     c = hidden_norm(fc(g_{<p}))                                                    [p, H]
-    x = [e(x_p); e(mask) x K] -> N x (pre-norm attention over [k(c); k(x)], MLP) -> norm -> lm_head
-    L = sum_i decay^(i-1) CE(softmax(target logits at p+i-1), draft logits at slot i)
+    x = [e(x_p); e(mask) x (B-1)] -> N x (pre-norm attention over [k(c); k(x)], MLP) -> norm -> h
+    z_i = lm_head(h_i)
+    L = sum_i w_i CE(softmax(target logits at p+i-1), z_i) / sum_i w_i,   w_i = decay^(i-1) = exp(-(i-1)/gamma)
 
-Training draws `anchors` random anchor positions per row and builds all their blocks at once, each block
-seeing only its own sequence's context before its anchor (the training and serving attention are the same).
-The layers are Qwen3-style (per-head q_norm / k_norm) and the weights are named as vLLM's and SGLang's
-DFlash loaders name them (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`), so the export is a copy
-(models/dflash_export.py). Embedding and LM head are the target's, frozen.
+(the paper's exponential slot weights, gamma = -1/ln(decay); the teacher is the target's distribution, as
+speculators trains it, where SpecForge uses the data's next token). DSpark (DeepSeek; SpecForge's and
+speculators' `dspark`, llama.cpp's `draft-dspark`) drafts from the anchor's slot as well, slot i drafting
+x_{p+1+i} (i = 0..B-1, B tokens per forward), and adds the Markov head's bias of the previous token, the anchor
+for slot 0 and then the token drafted before (the data's token in training):
+
+    z_i = lm_head(h_i) + markov_w2(markov_w1[x_{p+i}])                 (rank-r previous-token logit bias)
+
+Training draws `anchors` positions per row where the token and the next are trained and the token has context
+in its own sequence (SpecForge's rule: a committed token the target wrote), and builds all their blocks at
+once, each seeing only its own sequence's context before its anchor (the training and serving attention are the
+same). The layers are Qwen3-style (per-head q_norm / k_norm) and the weights are named as vLLM's, SGLang's and
+llama.cpp's DFlash loaders name them (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`, `lm_head`, `d2t`,
+`markov_head.*`), so the export is a copy (models/dflash_export.py). The embedding is the target's, frozen; the
+LM head is the target's, or with `draft_vocab_size` > 0 the drafter's own over the most frequent trained tokens
+(EAGLE-3's draft vocabulary, `d2t`: draft id i is target id i + d2t[i]), started from the target head's rows.
 """
 
 from __future__ import annotations
@@ -49,21 +61,30 @@ WEIGHTS_FILE, CONFIG_FILE = "dflash.safetensors", "config.json"
 class DFlashConfig:
     """The drafter and its loss."""
 
-    block_size: int = 6  # anchor + K mask slots: K = block_size - 1 tokens drafted per forward
+    block_size: int = 6  # the anchor + block_size - 1 mask slots: DFlash drafts block_size - 1 tokens, DSpark block_size
     num_layers: int = 1  # draft layers
     aux_layers: list[int] = dataclasses.field(default_factory=list)  # hidden_states indices; []: DFlash's default
-    mask_token_id: int = -1  # token whose (frozen) embedding fills the mask slots; -1: the tokenizer's pad token
+    mask_token_id: int = -1  # token whose (frozen) embedding fills the mask slots; -1: `mask_token`'s choice
     anchors: int = 32  # anchor positions drawn per training row
-    decay: float = 0.8  # slot i weighs decay^(i-1)
+    decay: float = 0.8  # slot weight decay^(i-1) = exp(-(i-1)/gamma), the paper's gamma = -1/ln(decay) (4.5 here)
     intermediate_size: int = 0  # MLP width; 0: the target's
+    draft_vocab_size: int = 0  # an own LM head over this many most frequent trained tokens; 0: the target's head
+    markov_rank: int = 0  # DSpark: rank of the Markov head's previous-token bias (the anchor slot drafts too); 0: DFlash
 
     def __post_init__(self):
         for ok, key, why in [(self.block_size >= 2, "block_size", "must be >= 2 (the anchor and a mask slot)"),
                              (self.num_layers >= 1, "num_layers", "must be >= 1"),
                              (self.anchors >= 1, "anchors", "must be >= 1"),
-                             (0 < self.decay <= 1, "decay", "must be in (0, 1]")]:
+                             (0 < self.decay <= 1, "decay", "must be in (0, 1]"),
+                             (self.draft_vocab_size >= 0, "draft_vocab_size", "must be >= 0 (0: the target's head)"),
+                             (self.markov_rank >= 0, "markov_rank", "must be >= 0 (0: DFlash, no Markov head)")]:
             if not ok:
                 raise ConfigError(f"dflash.{key}: {why}")
+
+    @property
+    def drafts(self) -> int:
+        """Tokens drafted per block: the mask slots, and with DSpark's Markov head the anchor's slot too."""
+        return self.block_size - (0 if self.markov_rank else 1)
 
 
 def default_aux_layers(num_target_layers: int, num_layers: int) -> list[int]:
@@ -73,6 +94,23 @@ def default_aux_layers(num_target_layers: int, num_layers: int) -> list[int]:
         return [num_target_layers // 2 + 1]
     span = num_target_layers - 4
     return sorted({round(1 + i * span / (num_layers - 1)) + 1 for i in range(num_layers)})
+
+
+def mask_token(target: Target, token_id: int = -1) -> int:
+    """The token whose embedding fills the mask slots: `token_id`, or with -1 the first of the tokenizer's mask, pad,
+    eos, unk and other special tokens whose embedding row is not zero (a padding row, zero in a model trained with
+    padding_idx as the reference target's pad is, gives every mask slot a zero query: DFlash refuses it)."""
+    if token_id >= 0:
+        return token_id
+    tok = target.tokenizer
+    found = [tok.mask_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id, *tok.all_special_ids] if tok \
+        else []
+    rows = target.embed.weight
+    for t in found:
+        if t is not None and 0 <= t < rows.shape[0] and rows[t].any():
+            return int(t)
+    raise ConfigError("dflash.mask_token_id: the tokenizer has no special token with a trained (non-zero) embedding; "
+                      "set dflash.mask_token_id to a token id whose embedding is not zero")
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -127,18 +165,51 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
-    """fc + hidden_norm over the target features, N draft layers, the final norm (the LM head is the target's)."""
+class MarkovHead(nn.Module):
+    """DSpark's (vanilla) Markov head: the logit bias markov_w2(markov_w1[x]) [.., Vd] of the previous token x."""
 
-    def __init__(self, config: LlamaConfig, n_features: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
         super().__init__()
-        H = config.hidden_size
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)  # near-zero bias at the start: training starts from DFlash
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm over the target features, N draft layers, the final norm; the LM head over the draft vocabulary
+    `draft_ids` (None: the target's head is used) and DSpark's Markov head (config.markov_rank > 0)."""
+
+    def __init__(self, config: LlamaConfig, n_features: int, draft_ids: torch.Tensor | None = None):
+        super().__init__()
+        H, V = config.hidden_size, config.vocab_size
         self.config = config
         self.fc = nn.Linear(n_features * H, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(H, config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)
+        self.lm_head = None if draft_ids is None else nn.Linear(H, draft_ids.numel(), bias=False)
+        if draft_ids is not None:
+            self.register_buffer("d2t", draft_ids.long() - torch.arange(draft_ids.numel()))
+        rank = getattr(config, "markov_rank", 0)
+        self.markov_head = MarkovHead(V, V if draft_ids is None else draft_ids.numel(), rank) if rank else None
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The target id of each draft-vocabulary row [Vd] (None: the whole target vocabulary)."""
+        return None if self.lm_head is None else self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    @property
+    def first_slot(self) -> int:
+        """The first block slot that drafts: 1 for DFlash (the anchor is the bonus token), 0 for DSpark."""
+        return 0 if self.markov_head is not None else 1
+
+    def logits(self, h: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
+        """Draft logits [.., Vd] of slot outputs h [.., H] (before DSpark's Markov bias)."""
+        return target_head(h) if self.lm_head is None else self.lm_head(h)
 
     def context(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context keys and values of target features feats [b, c, n*H] at positions [b, c]."""
@@ -157,9 +228,11 @@ class DFlashDrafter(nn.Module):
 
 
 class DFlash(MethodBase):
-    """The training method: a frozen target + a DFlashDrafter."""
+    """The training method: a frozen target + a DFlashDrafter (draft_ids: the draft vocabulary when
+    cfg.draft_vocab_size > 0, `draft_vocab` of the training rows)."""
 
-    def __init__(self, target: Target, cfg: DFlashConfig, mask_token_id: int = 0):
+    def __init__(self, target: Target, cfg: DFlashConfig, mask_token_id: int = 0,
+                 draft_ids: torch.Tensor | None = None):
         super().__init__()
         self.target, self.cfg = target, cfg
         text = target.config.get_text_config()
@@ -170,76 +243,103 @@ class DFlash(MethodBase):
                               f"1..{text.num_hidden_layers}")
         if not 0 <= mask_token_id < text.vocab_size:
             raise ConfigError(f"dflash.mask_token_id: {mask_token_id} is not a token id of the target's vocabulary")
+        if not target.embed.weight[mask_token_id].any():
+            raise ConfigError(f"dflash.mask_token_id: token {mask_token_id}'s embedding is zero (a padding row), so "
+                              "every mask slot would read the same zero query; set it to a token with a trained "
+                              "embedding (-1 picks one)")
+        if (draft_ids is None) != (cfg.draft_vocab_size == 0):
+            raise ValueError("DFlash: draft_ids are given exactly when dflash.draft_vocab_size > 0")
         self.mask_token_id = mask_token_id
         config = draft_config(target.config, cfg, text.vocab_size)
-        self.drafter = DFlashDrafter(config, len(self.layers)).to(target.lm_head.weight)
+        config.draft_vocab_size = text.vocab_size if draft_ids is None else draft_ids.numel()
+        config.markov_rank = cfg.markov_rank
+        self.drafter = DFlashDrafter(config, len(self.layers), draft_ids).to(target.lm_head.weight)
+        if draft_ids is not None:  # the draft head starts as the target head's rows
+            self.drafter.lm_head.weight.data.copy_(target.lm_head.weight[draft_ids.to(target.lm_head.weight.device)])
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
         return self.blocks(batch)
 
     def blocks(self, batch: dict, anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and per-slot metrics of the blocks at `anchors` [b, A] (default: cfg.anchors random positions per
-        row): loss_i, acc_i (draft top-1 = target top-1) and cond_acc_i (the same, among anchors whose slots
-        < i were right and whose data continues the target's greedy path, as decoding sees them)."""
+        """Loss and per-drafted-token metrics of the blocks at `anchors` [b, A] (default: cfg.anchors random
+        positions per row): loss_i, acc_i (draft top-1 = target top-1) and cond_acc_i (the same, among anchors whose
+        tokens < i were right and whose data continues the target's greedy path, as decoding sees them)."""
         cfg, d = self.cfg, self.drafter
         ids = batch["input_ids"]  # [b, s]
         b, s = ids.shape
-        K = cfg.block_size - 1
+        B, n = cfg.block_size, cfg.drafts  # slots per block; tokens drafted, from slot d.first_slot on
         pos = batch.get("position_ids")
         pos = torch.arange(s, device=ids.device).expand(b, s) if pos is None else pos
         seq = (pos == 0).long().cumsum(1)  # [b, s] sequence id within a packed row
         if "attention_mask" in batch:
             seq = seq.masked_fill(batch["attention_mask"] == 0, -1)
-        if anchors is None:  # drawn without replacement, preferring positions with a context and a trained label
-            at = torch.arange(s, device=ids.device)
-            ok = (at >= 1) & (at < s - 1) & torch.cat([batch["loss_mask"][:, 1:], batch["loss_mask"][:, :1]], 1).bool()
-            anchors = torch.multinomial(ok.float() + 1e-6, min(cfg.anchors, s))  # [b, A]
+        trained = batch["loss_mask"].bool()  # [b, s]
+        eligible = trained & torch.cat([trained[:, 1:], torch.zeros_like(trained[:, :1])], 1) & (pos > 0)  # [b, s]
+        if anchors is None:  # without replacement; an ineligible one only where a row has too few, and it trains nothing
+            anchors = torch.multinomial(eligible.float() + 1e-6, min(cfg.anchors, s))  # [b, A]
         A = anchors.shape[1]
         with torch.no_grad():
             tap = self.target.tap(ids, batch.get("attention_mask"), batch.get("position_ids"), tuple(self.layers))
             feats = torch.cat([tap.layers[i] for i in self.layers], -1).to(d.fc.weight.dtype)  # [b, s, n*H]
             target_logits = self.target.logits(tap.hidden).float()  # [b, s, V]
-            slot = torch.arange(K + 1, device=ids.device)  # [K+1]
-            at = (anchors[:, :, None] + slot).clamp(max=s - 1)  # [b, A, K+1] positions of the block
+            slot = torch.arange(B, device=ids.device)  # [B]
             block_ids = torch.where(slot == 0, torch.gather(ids, 1, anchors)[:, :, None], self.mask_token_id)
-            emb = self.target.embed(block_ids).to(feats.dtype).flatten(1, 2)  # [b, A(K+1), H]
+            emb = self.target.embed(block_ids).to(feats.dtype).flatten(1, 2)  # [b, A*B, H]
         # query (a, i) sees context j < anchor a of its sequence, and every slot of its own block
         seq_a = torch.gather(seq, 1, anchors)  # [b, A]
         ctx = (torch.arange(s, device=ids.device) < anchors[:, :, None]) & (seq[:, None, :] == seq_a[:, :, None])
-        own = torch.eye(A, dtype=torch.bool, device=ids.device).repeat_interleave(K + 1, 0).repeat_interleave(K + 1, 1)
-        visible = torch.cat([ctx.repeat_interleave(K + 1, 1), own.expand(b, -1, -1)], -1)  # [b, A(K+1), s + A(K+1)]
-        q_pos = (torch.gather(pos, 1, anchors)[:, :, None] + slot).flatten(1)  # [b, A(K+1)]
-        out = d(emb, d.context(feats, pos), q_pos, additive(visible)[:, None])  # [b, A(K+1), H]
-        out = out.view(b, A, K + 1, -1)[:, :, 1:]  # [b, A, K, H] the mask slots
-        log_q = F.log_softmax(self.target.logits(out).float(), -1)  # [b, A, K, V]
-        prev = at[:, :, :-1]  # [b, A, K]: slot i is trained on the target's distribution at p + i - 1
-        p = F.softmax(torch.gather(target_logits, 1, prev.flatten(1)[..., None].expand(-1, -1, target_logits.shape[-1]))
-                      .view(b, A, K, -1), -1)  # [b, A, K, V]
-        label_at = anchors[:, :, None] + slot[1:]  # [b, A, K] position of the drafted token
+        own = torch.eye(A, dtype=torch.bool, device=ids.device).repeat_interleave(B, 0).repeat_interleave(B, 1)
+        visible = torch.cat([ctx.repeat_interleave(B, 1), own.expand(b, -1, -1)], -1)  # [b, A*B, s + A*B]
+        q_pos = (torch.gather(pos, 1, anchors)[:, :, None] + slot).flatten(1)  # [b, A*B]
+        out = d(emb, d.context(feats, pos), q_pos, additive(visible)[:, None])  # [b, A*B, H]
+        out = out.view(b, A, B, -1)[:, :, d.first_slot:]  # [b, A, n, H] the drafting slots
+        label_at = anchors[:, :, None] + 1 + torch.arange(n, device=ids.device)  # [b, A, n]: drafted token i is x_{a+1+i}
         inside = label_at < s
         label_at = label_at.clamp(max=s - 1)
-        valid = inside & (torch.gather(seq, 1, label_at.flatten(1)).view(b, A, K) == seq_a[:, :, None]) \
-            & torch.gather(batch["loss_mask"], 1, label_at.flatten(1)).view(b, A, K).bool()
-        ce = -(p * log_q).sum(-1)  # [b, A, K]
-        greedy = p.argmax(-1)  # [b, A, K] the target's token at each slot
-        ok = log_q.argmax(-1) == greedy
-        fed = torch.gather(ids, 1, label_at.flatten(1)).view(b, A, K) == greedy  # the data continues greedily
+        prev = (label_at - 1).flatten(1)  # [b, A*n]: the target's distribution there teaches token i; x there is its prev
+        z = d.logits(out, self.target.lm_head).float()  # [b, A, n, Vd]
+        if d.markov_head is not None:  # teacher-forced: the previous token is the data's
+            z = z + d.markov_head(torch.gather(ids, 1, prev).view(b, A, n)).float()
+        log_q = F.log_softmax(z, -1)  # [b, A, n, Vd]
+        teacher = torch.gather(target_logits, 1, prev[..., None].expand(-1, -1, target_logits.shape[-1])
+                               ).view(b, A, n, -1)  # [b, A, n, V]
+        greedy = teacher.argmax(-1)  # [b, A, n] the target's token at each drafted position
+        draft_ids = d.draft_ids
+        p = F.softmax(teacher if draft_ids is None else teacher[..., draft_ids], -1)  # [b, A, n, Vd]
+        valid = eligible.gather(1, anchors)[:, :, None] & inside \
+            & (torch.gather(seq, 1, label_at.flatten(1)).view(b, A, n) == seq_a[:, :, None]) \
+            & torch.gather(trained, 1, label_at.flatten(1)).view(b, A, n)
+        ce = -(p * log_q).sum(-1)  # [b, A, n]
+        drafted = log_q.argmax(-1) if draft_ids is None else draft_ids[log_q.argmax(-1)]  # [b, A, n] target ids
+        ok = drafted == greedy
+        fed = torch.gather(ids, 1, label_at.flatten(1)).view(b, A, n) == greedy  # the data continues greedily
         total, on_path, metrics = 0.0, torch.ones_like(valid[:, :, 0]), {}
-        for i in range(K):
+        for i in range(n):
             step = masked_mean(ce[:, :, i], valid[:, :, i])
             total = total + cfg.decay ** i * step
             metrics[f"loss_{i}"] = step.item()
             metrics[f"acc_{i}"] = masked_mean(ok[:, :, i].float(), valid[:, :, i]).item()
             metrics[f"cond_acc_{i}"] = masked_mean(ok[:, :, i].float(), valid[:, :, i] & on_path).item()
             on_path = on_path & ok[:, :, i] & fed[:, :, i]
-        return total, metrics
+        return total / sum(cfg.decay ** i for i in range(n)), metrics
 
     def proposer(self, target=None, gamma: int | None = None, **unused) -> DFlashProposer:
         return DFlashProposer(self.drafter, self.target.embed, self.target.lm_head, self.layers, self.mask_token_id,
-                              gamma or self.cfg.block_size - 1)
+                              gamma or self.cfg.drafts)
+
+    def extra_state(self) -> dict | None:
+        ids = self.drafter.draft_ids
+        return None if ids is None else {"draft_ids": ids.tolist()}
+
+    def load_extra_state(self, state: dict) -> None:
+        ids = self.drafter.draft_ids
+        if ids is None or state["draft_ids"] != ids.tolist():
+            raise ValueError("the checkpoint's draft vocabulary differs from the one built from this data; "
+                             "resume with the same data and dflash.draft_vocab_size")
 
     def save_pretrained(self, out: str | Path) -> None:
-        """drafter.json (method, layers, block size, mask token, target), config.json, dflash.safetensors."""
+        """drafter.json (method, layers, block size, mask token, target), config.json (with draft_vocab_size and
+        markov_rank), dflash.safetensors (with lm_head and d2t for an own draft vocabulary, markov_head for DSpark)."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous() for k, v in self.drafter.state_dict().items()}, out / WEIGHTS_FILE)
@@ -254,26 +354,31 @@ def load_drafter(path: str | Path, device=None, dtype=None) -> tuple[DFlashDraft
     path = Path(path)
     meta = read_drafter_meta(path)
     config = LlamaConfig.from_dict(read_file(path / CONFIG_FILE, REDO_DRAFTER))
-    drafter = DFlashDrafter(config, len(meta["aux_layers"]))
-    drafter.load_state_dict(read_file(path / WEIGHTS_FILE, REDO_DRAFTER))
+    state = read_file(path / WEIGHTS_FILE, REDO_DRAFTER)
+    draft_ids = state["d2t"] + torch.arange(state["d2t"].numel()) if "d2t" in state else None
+    drafter = DFlashDrafter(config, len(meta["aux_layers"]), draft_ids)
+    drafter.load_state_dict(state)
     return drafter.to(device=device, dtype=dtype).eval(), meta
 
 
 def load_proposer(path: str | Path, target, gamma: int | None = None, **unused) -> DFlashProposer:
-    """The plug-in's proposer loader (models/registry.py) for a DFlash drafter dir."""
+    """The plug-in's proposer loader (models/registry.py) for a DFlash (or DSpark) drafter dir."""
     target = target if isinstance(target, Target) else Target(target, None, "")
     drafter, meta = load_drafter(path, target.lm_head.weight.device, target.lm_head.weight.dtype)
     return DFlashProposer(drafter, target.embed, target.lm_head, meta["aux_layers"], meta["mask_token_id"],
-                          gamma or meta["block_size"] - 1)
+                          gamma or meta["block_size"] - drafter.first_slot)
 
 
 def load_dflash(path: str | Path, target: Target | None = None) -> DFlash:
     """A trained DFlash method from a drafter dir (its target loaded from drafter.json unless given)."""
     drafter, meta = load_drafter(path)
     target = target or load_target(meta["target"])
+    draft_ids = drafter.draft_ids
     cfg = DFlashConfig(block_size=meta["block_size"], num_layers=drafter.config.num_hidden_layers,
-                       aux_layers=meta["aux_layers"], intermediate_size=drafter.config.intermediate_size)
-    method = DFlash(target, cfg, meta["mask_token_id"])
+                       aux_layers=meta["aux_layers"], intermediate_size=drafter.config.intermediate_size,
+                       draft_vocab_size=0 if draft_ids is None else draft_ids.numel(),
+                       markov_rank=getattr(drafter.config, "markov_rank", 0))
+    method = DFlash(target, cfg, meta["mask_token_id"], draft_ids)
     method.drafter.load_state_dict(drafter.state_dict())
     return method
 
@@ -283,9 +388,10 @@ class DFlashProposer(Proposer):
 
     After each verification the target features of the newly committed positions are projected into
     every layer's context keys and values (kept, like a KV cache; committed positions never roll back).
-    Then the block [bonus, mask x gamma] at positions t-1..t-1+gamma attends to the context and to itself,
-    and slot i's output, through the target's LM head, drafts token i, each from its own distribution
-    (q per node), which keeps exact verification exact.
+    Then the block [bonus, mask...] at positions t-1.. attends to the context and to itself, and each drafting
+    slot's output, through the LM head (and DSpark's Markov bias of the token drafted before it, the bonus for the
+    first), drafts one token from its own distribution (q per node, zero outside the draft vocabulary), which keeps
+    exact verification exact.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: nn.Module, target_head: nn.Module, layers, mask_token_id: int,
@@ -312,21 +418,35 @@ class DFlashProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, ids: torch.Tensor, sampling: Sampling) -> DraftTree:
-        d, K, t = self.drafter, self.gamma, ids.numel()
+        d, first, t = self.drafter, self.drafter.first_slot, ids.numel()
         dtype = d.fc.weight.dtype
         context = self.context or [(torch.zeros(1, layer.self_attn.kv_heads, 0, layer.self_attn.d, dtype=dtype,
                                                 device=ids.device),) * 2 for layer in d.layers]
-        block = torch.cat([ids[-1:], ids.new_full((K,), self.mask_token_id)])  # [K+1]: bonus, then mask slots
-        mask = torch.zeros(1, 1, K + 1, context[0][0].shape[2] + K + 1, device=ids.device)  # everything visible
-        out = d(self.embed(block[None]).to(dtype), context, torch.arange(t - 1, t + K, device=ids.device)[None], mask)
-        logits = self.head(out[0, 1:]).float()  # [K, V]
-        qs: list[torch.Tensor] = []
-        drafted = [draw(row, sampling, qs) for row in logits]
-        return DraftTree.chain(torch.tensor(drafted, device=ids.device), torch.stack(qs) if qs else None)
+        n = first + self.gamma
+        block = torch.cat([ids[-1:], ids.new_full((n - 1,), self.mask_token_id)])  # [n]: bonus, then mask slots
+        mask = torch.zeros(1, 1, n, context[0][0].shape[2] + n, device=ids.device)  # everything visible
+        out = d(self.embed(block[None]).to(dtype), context, torch.arange(t - 1, t - 1 + n, device=ids.device)[None],
+                mask)
+        logits = d.logits(out[0, first:], self.head).float()  # [gamma, Vd]
+        draft_ids = d.draft_ids
+        prev, drafted, qs = ids[-1:], [], []
+        for row in logits:
+            if d.markov_head is not None:
+                row = row + d.markov_head(prev)[0].float()
+            i = draw(row, sampling, qs)
+            drafted.append(i if draft_ids is None else int(draft_ids[i]))
+            prev = ids.new_tensor(drafted[-1:])
+        q = None
+        if qs:
+            q = torch.stack(qs)  # [gamma, Vd]
+            if draft_ids is not None:  # over the target's vocabulary, zero outside the draft's
+                q = q.new_zeros(len(qs), d.config.vocab_size).index_copy_(1, draft_ids, q)
+        return DraftTree.chain(torch.tensor(drafted, device=ids.device), q)
 
 
 def variants(drafter_dir: Path, target: nn.Module) -> dict[str, Drafting]:
-    """The leaderboard's DFlash chain, up to block_size - 1, the slots it was trained to fill."""
+    """The leaderboard's DFlash chain, up to the tokens a block was trained to draft (block_size - 1; DSpark's
+    block_size)."""
     first = load_proposer(drafter_dir, target)
     K = first.gamma
 

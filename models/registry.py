@@ -66,7 +66,8 @@ METHODS: dict[str, Plugin] = {
     "p_eagle": Plugin(p_eagle.load_proposer, p_eagle_export.FORMATS, p_eagle.variants, (
         Recipe("p_eagle", "P-EAGLE", "p_eagle", "p_eagle/tiny-code.yaml"),)),
     "dflash": Plugin(dflash.load_proposer, dflash_export.FORMATS, dflash.variants, (
-        Recipe("dflash", "DFlash", "dflash", "dflash/tiny-code.yaml"),)),
+        Recipe("dflash", "DFlash", "dflash", "dflash/tiny-code.yaml"),
+        Recipe("dspark", "DSpark", "dspark", "dspark/tiny-code.yaml"))),
     "layerskip": Plugin(layerskip.load_proposer, layerskip.FORMATS, layerskip.variants, (
         Recipe("layerskip", "LayerSkip", "layerskip", "layerskip/tiny-code.yaml", "eval/tau_exit{exit_layer}"),)),
     "distill": Plugin(distill.load_proposer, distill.FORMATS, distill.variants, (

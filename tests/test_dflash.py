@@ -1,5 +1,6 @@
 """DFlash: training blocks see what the one-forward proposer computes, greedy equality on several architectures,
-chi-square exactness at T=1, one drafter forward per step, checkpoints and the recipe entry point."""
+chi-square exactness at T=1, one drafter forward per step, the mask token and the anchors, an own draft vocabulary
+(lossless, exported as vLLM and llama.cpp's converter read it), checkpoints and the recipe entry point."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import test_llama_cpp
 import torch
 import transformers as T
 from conftest import (
+    REPO,
     assert_greedy_matches,
     chi2_two_tokens,
     forward_widths,
@@ -20,17 +23,28 @@ from conftest import (
     train_steps,
 )
 from test_decoding_generate import CONFIGS
+from test_llama_cpp import NEEDS_SOURCE
+from tokenizers import Tokenizer, models
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
 from draftsmith.decoding.proposers import Verified
 from draftsmith.decoding.verify import Sampling
-from draftsmith.models.dflash import DFlash, DFlashConfig, DFlashProposer, default_aux_layers, load_dflash
+from draftsmith.models import llama_cpp
+from draftsmith.models import registry as R
+from draftsmith.models.dflash import (
+    DFlash,
+    DFlashConfig,
+    DFlashProposer,
+    default_aux_layers,
+    load_dflash,
+    mask_token,
+)
 from draftsmith.models.registry import load_proposer as decoder_load_proposer
 from draftsmith.models.target import Target, load_target
 from draftsmith.train.config import ConfigError
 
+convertible = test_llama_cpp.target  # the fixture: a tiny target saved with a tokenizer llama.cpp converts
 V = 96
-REPO = Path(__file__).resolve().parent.parent
 
 
 def tiny(arch: str = "llama", vocab: int = V, layers: int = 4) -> Target:
@@ -41,28 +55,35 @@ def tiny(arch: str = "llama", vocab: int = V, layers: int = 4) -> Target:
     return Target(T.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False), None, "tiny")
 
 
-def method(target: Target | None = None, block_size: int = 5, num_layers: int = 2, seed: int = 1, **kw) -> DFlash:
+def method(target: Target | None = None, block_size: int = 5, num_layers: int = 2, seed: int = 1,
+           draft_ids: torch.Tensor | None = None, **kw) -> DFlash:
+    """A random DFlash (or with markov_rank, DSpark) drafter; `draft_ids`: its own draft vocabulary."""
     target = target or tiny()
     torch.manual_seed(seed)
-    m = DFlash(target, DFlashConfig(block_size=block_size, num_layers=num_layers, **kw), mask_token_id=3)
+    cfg = DFlashConfig(block_size=block_size, num_layers=num_layers,
+                       draft_vocab_size=0 if draft_ids is None else draft_ids.numel(), **kw)
+    m = DFlash(target, cfg, mask_token_id=3, draft_ids=draft_ids)
     randomise(m.drafter)
     return m.eval()
 
 
-def test_training_block_equals_what_the_proposer_computes():
+def assert_blocks_are_what_the_proposer_computes(m: DFlash) -> None:
     """The block at anchor a in training = the proposer's block after committing tokens 0..a."""
-    m = method(block_size=5)
     ids, bt = random_row(V, 12, 2)
     outs = recorded_outputs(m.drafter)
     tap = m.target.tap(ids, layers=tuple(m.layers))
     for a in (1, 4, 9):
         m.blocks(bt, anchors=torch.tensor([[a]]))
-        trained = outs[-1]  # [K+1, H]
-        p = m.proposer(gamma=4)
+        trained = outs[-1]  # [block_size, H]
+        p = m.proposer()
         hidden = torch.stack([tap.layers[i][0, :a] for i in m.layers])  # [k, a, H]: positions 0..a-1
         p.accept(ids[0, : a + 1], Verified(None, [], None, hidden))
         p.propose(ids[0, : a + 1], Sampling())
         torch.testing.assert_close(outs[-1], trained, atol=1e-4, rtol=1e-4)
+
+
+def test_training_block_equals_what_the_proposer_computes():
+    assert_blocks_are_what_the_proposer_computes(method(block_size=5))
 
 
 def test_blocks_do_not_see_later_context_or_other_sequences():
@@ -83,7 +104,7 @@ def test_blocks_do_not_see_later_context_or_other_sequences():
     assert (outs[0] - outs[3]).abs().max() > 1e-3  # while the context before the anchor is read
 
 
-def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():
+def test_loss_is_the_weighted_mean_of_soft_cross_entropies_on_the_mask_slots():
     m = method(block_size=3)
     ids, bt = random_row(V, 10, 6)
     outs = recorded_outputs(m.drafter)
@@ -95,7 +116,7 @@ def test_loss_is_decayed_soft_cross_entropy_on_the_mask_slots():
               for j, a in enumerate((3, 6))]
         total += 0.8 ** (i - 1) * sum(ce) / 2
         assert metrics[f"loss_{i - 1}"] == pytest.approx((sum(ce) / 2).item(), rel=1e-4)
-    torch.testing.assert_close(loss, total, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(loss, total / (1 + 0.8), atol=1e-5, rtol=1e-4)  # over the slot weights' sum
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
@@ -126,11 +147,83 @@ def test_a_trained_dflash_drafts_the_targets_text():
     assert torch.equal(spec, text) and stats.tau > 2, stats.tau
 
 
-def test_sampled_output_has_the_targets_distribution():
-    """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution."""
-    m = method(tiny(vocab=6, layers=2), block_size=3, num_layers=1, aux_layers=[1])
+@pytest.mark.parametrize("draft_ids", [None, torch.tensor([0, 2, 3, 5])], ids=["target-head", "own-draft-vocab"])
+def test_sampled_output_has_the_targets_distribution(draft_ids):
+    """Two tokens after a fixed prompt, drawn many times: chi-square against the target's exact distribution (with an
+    own draft vocabulary, q is zero outside it and the other tokens come from the residual)."""
+    m = method(tiny(vocab=6, layers=2), block_size=3, num_layers=1, aux_layers=[1], draft_ids=draft_ids)
     chi2, critical = chi2_two_tokens(m.target.model, m.proposer())
     assert chi2 < critical
+
+
+def test_the_mask_token_is_one_with_a_trained_embedding():
+    """A zero (padding) row would give every mask slot the same zero query: refused, and -1 picks another token."""
+    t = tiny()
+    t.embed.weight.data[0] = 0
+    with pytest.raises(ConfigError, match="embedding is zero"):
+        DFlash(t, DFlashConfig(), mask_token_id=0)
+    tok = T.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, "t5")),
+                                    pad_token="t0", eos_token="t0", unk_token="t5")
+    assert mask_token(Target(t.model, tok, "tiny")) == 5 and mask_token(t, 7) == 7
+
+
+def test_anchors_are_trained_tokens_before_a_trained_token_and_the_others_train_nothing():
+    """SpecForge's rule: anchor a where loss_mask[a] and loss_mask[a + 1] (and a has context); a row with fewer such
+    positions than dflash.anchors draws others too, which add nothing to the loss."""
+    m = method(block_size=3, anchors=12)
+    ids, bt = random_row(V, 12, 4)
+    bt["loss_mask"] = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0]])
+    every, _ = m.blocks(bt)  # all 12 positions drawn
+    eligible, _ = m.blocks(bt, anchors=torch.tensor([[5, 6, 7, 8, 9]]))
+    torch.testing.assert_close(every, eligible)
+
+
+def test_an_own_draft_vocabulary_starts_from_the_target_head_and_drafts_only_its_tokens_losslessly():
+    t = tiny()
+    ids = torch.arange(0, V, 3)
+    fresh = DFlash(t, DFlashConfig(draft_vocab_size=ids.numel()), mask_token_id=3, draft_ids=ids)
+    assert torch.equal(fresh.drafter.lm_head.weight, t.lm_head.weight[ids]) and fresh.drafter.lm_head.weight.requires_grad
+    m = method(t, num_layers=1, aux_layers=[1, 2], draft_ids=ids)
+    assert_greedy_matches(t.model, m.proposer(gamma=4), V, gamma=4)
+    row, _ = random_row(V, 9, 2)
+    tap = t.tap(row, layers=tuple(m.layers))
+    p = m.proposer(gamma=4)
+    p.accept(row[0], Verified(None, [], None, torch.stack([tap.layers[i][0, :-1] for i in m.layers])))
+    tree = p.propose(row[0], Sampling(1.0, generator=torch.Generator().manual_seed(0)))
+    assert set(tree.tokens.tolist()) <= set(ids.tolist()) and tree.q.shape == (4, V)
+    assert tree.q[:, ids].sum(-1).allclose(torch.ones(4)) and not tree.q[:, 1::3].any()
+
+
+def saved(t: Target, path: Path) -> Target:
+    """The target written to `path`, as the exports read it (its config)."""
+    t.model.save_pretrained(path)
+    return Target(t.model, t.tokenizer, str(path))
+
+
+def test_an_own_draft_vocabulary_exports_lm_head_and_d2t_as_vllm_reads_them(tmp_path):
+    ids = torch.arange(1, V, 2)
+    m = method(saved(tiny(), tmp_path / "target"), num_layers=1, aux_layers=[1, 3], draft_ids=ids)
+    m.save_pretrained(tmp_path / "run")
+    out = R.export(tmp_path / "run", "vllm", tmp_path / "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["draft_vocab_size"] == ids.numel()
+    drafter, meta = R.load("dflash", "vllm", out)
+    assert torch.equal(drafter.draft_ids, ids) and meta["aux_layers"] == [1, 3]
+    for k, v in m.drafter.state_dict().items():
+        assert torch.equal(v, drafter.state_dict()[k]), k
+
+
+@NEEDS_SOURCE
+def test_llama_cpps_converter_reads_an_own_draft_vocabulary_as_dflash_with_d2t(convertible, tmp_path):
+    ids = torch.arange(0, convertible.model.config.vocab_size, 2)
+    torch.manual_seed(1)
+    DFlash(convertible, DFlashConfig(block_size=4, aux_layers=[2, 4], draft_vocab_size=ids.numel()), mask_token_id=3,
+           draft_ids=ids).save_pretrained(tmp_path / "run")
+    gguf = llama_cpp.read_gguf(R.export(tmp_path / "run", "gguf", tmp_path / "gguf"))
+    f, tensors = gguf["fields"], gguf["tensors"]
+    assert f["general.architecture"] == "dflash" and f["dflash.sample_from_anchor"] is False
+    assert tensors["d2t"] == [ids.numel()] and tensors["output.weight"] == [64, ids.numel()]
+    assert not any(name.startswith("markov") for name in tensors)  # no Markov head: llama.cpp picks draft-dflash
 
 
 def test_checkpoint_round_trip_and_decoder_loading(tmp_path):
@@ -171,7 +264,8 @@ def test_recipe_trains_measures_tau_and_keeps_a_loadable_best(tiny_chat_target, 
     assert len(evals) == 2 and all(r["eval/tau"] >= 1 and 1 <= r["eval/expected_tau"] <= 6 for r in evals)
     assert all("eval/heldout_cond_acc_4" in r for r in evals) and any("loss_4" in r for r in rows)
     target = load_target(tiny_chat_target)
-    assert json.loads((out / "best" / "drafter.json").read_text())["mask_token_id"] == target.tokenizer.pad_token_id
+    mask = json.loads((out / "best" / "drafter.json").read_text())["mask_token_id"]
+    assert mask == mask_token(target) and target.embed.weight[mask].any()  # not the pad: its row is zero here
     proposer = decoder_load_proposer(str(out / "best"), target.model)
     ids = target.tokenizer("def f(x):\n    return", return_tensors="pt")["input_ids"]
     spec, _ = speculative_generate(target.model, proposer, ids, 12, eos_token_id=[])

@@ -1,5 +1,5 @@
-"""Train a DFlash drafter (block diffusion): a small drafter on the target's features fills a block of K tokens in
-one forward.
+"""Train a DFlash drafter (block diffusion): a small drafter on the target's features fills a block of tokens in one
+forward; with dflash.markov_rank > 0 a DSpark drafter (train/dspark.py's recipe).
 
     accelerate launch train/dflash.py --config recipes/dflash/tiny-code.yaml [key=value ...]
 
@@ -12,25 +12,28 @@ checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
+from draftsmith.data.core import read_file
 from draftsmith.data.dataset import DataConfig
 from draftsmith.decoding.evaluate import decode_metric_names
-from draftsmith.models.dflash import DFlash, DFlashConfig
+from draftsmith.models.dflash import DFlash, DFlashConfig, mask_token
+from draftsmith.models.eagle import draft_vocab
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
 from draftsmith.train.eagle import EvalConfig
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
-from draftsmith.train.runner import Spec, decoder, pad_token, run
+from draftsmith.train.runner import Spec, decoder, run
 
 
 @dataclasses.dataclass
 class Recipe(C.DrafterRecipe):
     data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(max_length=256, pack=True))
     dflash: DFlashConfig = dataclasses.field(default_factory=DFlashConfig)
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # mode chain; gamma = block_size - 1
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # mode chain; gamma = the tokens a block drafts
 
 
 def heldout_metrics(method: DFlash, rows: list[dict], batch_size: int = 8) -> dict[str, float]:
@@ -43,22 +46,22 @@ def heldout_metrics(method: DFlash, rows: list[dict], batch_size: int = 8) -> di
         for i in range(0, len(rows), batch_size):
             per_batch.append(method.blocks({k: v.to(device) for k, v in collate(rows[i: i + batch_size]).items()})[1])
     means = {k: sum(m[k] for m in per_batch) / len(per_batch) for k in per_batch[0]}
-    cond = torch.tensor([means[f"cond_acc_{i}"] for i in range(method.cfg.block_size - 1)])
+    cond = torch.tensor([means[f"cond_acc_{i}"] for i in range(method.cfg.drafts)])
     return {**{f"heldout_{k}": v for k, v in means.items()}, "expected_tau": 1 + float(cond.cumprod(0).sum())}
 
 
 def metric_names(cfg: Recipe) -> list[str]:
     """The metrics the checkpoint evaluation logs under this recipe (loop.best_metric must be one)."""
-    K = cfg.dflash.block_size - 1
+    K = cfg.dflash.drafts
     names = [f"heldout_{m}_{i}" for i in range(K) for m in ("loss", "acc", "cond_acc")] + ["expected_tau"]
     return names + (decode_metric_names((0.0,), K) if cfg.eval.num_prompts else []) + ["eval_seconds"]
 
 
 def check_eval(cfg: Recipe) -> list[str]:
     """`metric_names`, once eval is checked to draft what DFlash drafts."""
-    if cfg.eval.mode != "chain" or cfg.eval.gamma != cfg.dflash.block_size - 1:
-        raise C.ConfigError("eval: DFlash drafts a chain of block_size - 1 tokens; set eval.mode=chain and "
-                            f"eval.gamma={cfg.dflash.block_size - 1}")
+    if cfg.eval.mode != "chain" or cfg.eval.gamma != cfg.dflash.drafts:
+        raise C.ConfigError("eval: DFlash drafts a chain of block_size - 1 tokens (DSpark, dflash.markov_rank > 0: "
+                            f"block_size); set eval.mode=chain and eval.gamma={cfg.dflash.drafts}")
     return metric_names(cfg)
 
 
@@ -76,10 +79,25 @@ def evaluator(cfg: Recipe, target, method: DFlash, heldout: list[dict]):
     return evaluate
 
 
-SPEC = Spec(Recipe, RECIPES / "dflash/tiny-code.yaml", __doc__,
-            build=lambda cfg, target, train: DFlash(target, cfg.dflash, pad_token(target.tokenizer,
-                                                                                    cfg.dflash.mask_token_id)),
-            evaluator=evaluator, metric_names=lambda cfg, target: check_eval(cfg))
+def build(cfg: Recipe, target, train) -> DFlash:
+    """The method: its mask token (`mask_token`) and, with dflash.draft_vocab_size, its draft vocabulary: that of the
+    checkpoint loop.init_from names (its head's rows), else the training rows' most frequent trained tokens."""
+    size, ids = cfg.dflash.draft_vocab_size, None
+    if size and cfg.loop.init_from:
+        state = read_file(Path(cfg.loop.init_from) / "state.json", "pass loop.init_from= a checkpoint-<step> "
+                          "directory of a DFlash run")
+        ids = (state.get("method") or {}).get("draft_ids")
+        if ids is None or len(ids) != size:
+            raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of "
+                                f"{len(ids or [])} tokens; set dflash.draft_vocab_size={len(ids or [])}")
+    if size and ids is None:
+        ids = draft_vocab(train, target.config.get_text_config().vocab_size, size)
+    return DFlash(target, cfg.dflash, mask_token(target, cfg.dflash.mask_token_id),
+                  None if ids is None else torch.as_tensor(ids))
+
+
+SPEC = Spec(Recipe, RECIPES / "dflash/tiny-code.yaml", __doc__, build=build, evaluator=evaluator,
+            metric_names=lambda cfg, target: check_eval(cfg))
 
 
 def main(argv: list[str] | None = None) -> Loop:

@@ -44,7 +44,17 @@ SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, n
 # recipe trains the target itself)
 CHECKS = {r.key: r for r in RECIPES}
 TRAINS_TARGET = {"layerskip"}
-EXTRA = {"layerskip": ["eval.exit_layers=[2]", "loop.best_metric=tau_exit2"]}
+
+
+def layer_overrides(name: str, L: int) -> list[str]:
+    """The recipes' layer choices, made for the 8-layer reference target (layers 2, 4, 6), at the same relative
+    depths of the check's L-layer target: DFlash's fused layers, LayerSkip's one exit layer decoded at each
+    checkpoint, and the distilled draft's depth."""
+    quarter = L // 4
+    fused = [f"dflash.aux_layers=[{quarter},{L // 2},{3 * L // 4}]"]
+    return {"dflash": fused, "dspark": fused,
+            "layerskip": [f"eval.exit_layers=[{quarter}]", f"loop.best_metric=tau_exit{quarter}"],
+            "distill": [f"distill.layers={quarter}"]}.get(name, [])
 
 
 def sync() -> None:
@@ -108,11 +118,12 @@ def build_target(out: Path, smoke: bool) -> dict:
     return {"params": params, **shape, "vocab_size": ref.vocab_size, "weights": "random (from config)"}
 
 
-def run(name: str, work: Path, common: list[str], decode_tokens: int) -> dict:
-    """Train one recipe in-process under the timer, then decode with it; its throughput and decoding record."""
+def run(name: str, work: Path, common: list[str], depth: int, decode_tokens: int) -> dict:
+    """Train one recipe in-process under the timer on the check's `depth`-layer target, then decode with it; its
+    throughput and decoding record."""
     recipe = CHECKS[name]
     precise = ["loop.mixed_precision=bf16", *([] if name in TRAINS_TARGET else ["target.dtype=bfloat16"])]
-    extra = ["eval.heldout_examples=8", *EXTRA.get(name, [])]
+    extra = ["eval.heldout_examples=8", *layer_overrides(name, depth)]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -174,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or Path("runs/gpu-check-smoke/gpu.json" if args.smoke else "benchmarks/gpu.json")
     shutil.rmtree(work, ignore_errors=True)
     target = build_target(work / "target", args.smoke)
+    depth = target["num_hidden_layers"]
     steps, batch, length, decode_tokens = (6, 2, 128, 8) if args.smoke else (args.steps, 8, 512, 64)
     common = [f"target.path={work / 'target'}", f"loop.max_steps={steps}", f"loop.save_every={steps}",
               f"loop.batch_size={batch}", f"loop.log_every={max(1, steps // 10)}", "loop.keep_last=1",
@@ -188,11 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
                       "timing": "target_forward_seconds: frozen target decoder forward, synchronised; rest: drafter, "
                                 "backward, optimizer; evaluation excluded",
                       "decode": f"draftsmith evaluate on the best checkpoint: 4 held-out prompts x {decode_tokens} "
-                                "tokens, T=0 and T=1, target in float32 and bfloat16"},
+                                "tokens, T=0 and T=1, target in float32 and bfloat16",
+                      "layers": {name: o for name in args.recipes if (o := layer_overrides(name, depth))}},
               "recipes": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.recipes:
-        report["recipes"][name] = run(name, work, common, decode_tokens)
+        report["recipes"][name] = run(name, work, common, depth, decode_tokens)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(out)

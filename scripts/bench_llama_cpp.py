@@ -50,9 +50,9 @@ import torch
 from draftsmith.data.core import find_drafter
 from draftsmith.data.reference import load_prompts
 from draftsmith.decoding.evaluate import render_prompts
-from draftsmith.decoding.serve_bench import ours, serve, target_ggufs
 from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
+from draftsmith.models.serve_bench import ours, serve, target_ggufs
 from draftsmith.models.target import load_target
 
 REPO = Path(__file__).resolve().parent.parent

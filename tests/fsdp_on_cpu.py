@@ -27,6 +27,16 @@ def _init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
         self.fsdp_plugin = fsdp_plugin
 
 
-AcceleratorState.__init__ = _init_with_fsdp
-sys.argv = sys.argv[1:]
-runpy.run_module(f"draftsmith.train.{Path(sys.argv[0]).stem}", run_name="__main__", alter_sys=True)  # train/METHOD.py
+def lift_fsdp_gate() -> None:
+    AcceleratorState.__init__ = _init_with_fsdp
+
+
+def run_entry(script: str) -> None:
+    """Run train/METHOD.py as its package module, as `python train/METHOD.py` would."""
+    runpy.run_module(f"draftsmith.train.{Path(script).stem}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    lift_fsdp_gate()
+    sys.argv = sys.argv[1:]
+    run_entry(sys.argv[0])

@@ -136,16 +136,10 @@ Loop(loop_cfg({run!r}, tracker="tensorboard"), tiny_method(), Hangs(), evaluate=
 
 def test_a_run_killed_between_checkpoints_logs_each_step_once_after_its_resume(tmp_path):
     """kill -9 after step 6 (checkpoint-4 written): the resumed run logs steps 5-8 again; metrics.jsonl keeps them
-    once and equals an uninterrupted run's, and TensorBoard shows the killed launch's points past step 4 no more."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    once and equals an uninterrupted run's."""
 
     def logged(run):  # (step, what) per line; tokens_per_s is a timing, the rest is exact
         return [(r["step"], r.get("loss"), r.get("eval/tau")) for r in map(json.loads, open(run / "metrics.jsonl"))]
-
-    def plotted(run):
-        events = EventAccumulator(str(next(run.rglob("events.out.tfevents.*")).parent))
-        events.Reload()
-        return [(e.step, round(e.value, 6)) for e in events.Scalars("loss")]
 
     evaluate = lambda m, step: {"tau": step}  # noqa: E731
     Loop(loop_cfg(tmp_path / "a", tracker="tensorboard"), tiny_method(), Recorder(), evaluate=evaluate).run()
@@ -165,7 +159,6 @@ def test_a_run_killed_between_checkpoints_logs_each_step_once_after_its_resume(t
     Loop(loop_cfg(run, tracker="tensorboard"), tiny_method(), Recorder(), evaluate=evaluate).run()
     assert logged(run) == logged(tmp_path / "a")
     assert [s for s, *_ in logged(run)] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 8]  # a training and an evaluation line at 4, 8
-    assert plotted(run) == plotted(tmp_path / "a") == [(s, loss) for s, loss, _ in logged(run) if loss is not None]
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):

@@ -6,7 +6,6 @@ The tests that run a peer skip, saying how to set it up, where its venv is absen
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -30,7 +29,7 @@ from draftsmith.models.eagle import draft_vocab
 from draftsmith.models.layerskip import final_norm
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
-from draftsmith.train import peers
+from draftsmith.train import peers, peers_bench
 from draftsmith.train.eagle import Recipe
 
 LAYERS = [1, 2, 3]  # of the 4-layer tiny chat target
@@ -288,17 +287,10 @@ def test_a_peer_trains_for_its_budget_and_its_checkpoint_converts_with_the_layer
     assert gguf["tensors"]["d2t"] == [N] and not gguf["fields"]["eagle3.norm_before_fc"]
 
 
-# ---- the side-by-side benchmark's orchestration (scripts/bench_peers.py), run on nothing heavy -----------------------
-
-def bench_peers():
-    spec = importlib.util.spec_from_file_location("bench_peers", Path(__file__).parents[1] / "scripts/bench_peers.py")
-    module = sys.modules["bench_peers"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
+# ---- the side-by-side benchmark's orchestration (train/peers_bench.py), run on nothing heavy -----------------------
 
 def test_the_plan_lists_every_phase_and_trains_all_three_on_the_same_drafter_without_running(tmp_path, capsys):
-    bench_peers().main(["--plan", "--work", str(tmp_path / "w"), "--budget-minutes", "2", "--conversations", "10"])
+    peers_bench.main(["--plan", "--work", str(tmp_path / "w"), "--budget-minutes", "2", "--conversations", "10"])
     lines = capsys.readouterr().out.splitlines()
     phases = [line.split("]")[0][1:] for line in lines]
     assert phases == sorted(phases, key=["setup", "inputs", "train", "judge", "report"].index)
@@ -313,7 +305,7 @@ def test_the_plan_lists_every_phase_and_trains_all_three_on_the_same_drafter_wit
 
 
 def test_a_finished_step_is_never_redone_a_failed_or_loaded_one_runs_again(tmp_path, monkeypatch):
-    b = bench_peers()
+    b = peers_bench
     count, e = tmp_path / "count", tmp_path / "e"
     py = [sys.executable, "-c"]
     steps = [b.Step("a", "x", [*py, f"open({str(count)!r}, 'a').write('a')"]),

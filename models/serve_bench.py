@@ -1,7 +1,7 @@
 """Serving a target and its drafters in llama-server and decoding the same prompts with our decoder, shared by the
 llama.cpp benchmarks (scripts/bench_llama_cpp.py, scripts/bench_peers.py).
 
-    from draftsmith.decoding.serve_bench import ours, serve, target_ggufs
+    from draftsmith.models.serve_bench import ours, serve, target_ggufs
 """
 
 from __future__ import annotations

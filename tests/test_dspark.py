@@ -23,11 +23,9 @@ from conftest import (
     train_steps,
 )
 from test_dflash import V, assert_blocks_are_what_the_proposer_computes, method, tiny
-from test_llama_cpp import NEEDS_SERVER, NEEDS_SOURCE
+from test_llama_cpp import NEEDS_SERVER, NEEDS_SOURCE, served_as_ours
 
 from draftsmith.decoding.generate import plain_generate, speculative_generate
-from draftsmith.decoding.metrics import DecodeStats
-from draftsmith.decoding.verify import Sampling
 from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
 from draftsmith.models.dflash import DFlash, DFlashConfig
@@ -156,17 +154,4 @@ def test_served_by_llama_server_greedy_output_is_unchanged_and_accepts_as_ours(k
     ids = None if kind == "dspark" else torch.arange(0, convertible.model.config.vocab_size, 2)
     run = dspark_run(convertible, tmp_path / "run", ids, 0 if kind.startswith("dflash") else 8)
     draft = R.export(run, "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
-    prompts = [[1, *torch.randint(3, 280, (12,), generator=torch.Generator().manual_seed(i)).tolist()]
-               for i in range(4)]
-    with llama_cpp.Server(model, threads=2, ctx=256) as plain:
-        want = [plain.complete(p, 24, temperature=0.0)["tokens"] for p in prompts]
-    with llama_cpp.Server(model, ["--spec-type", spec_type, "-md", str(draft), "--spec-draft-n-max", "3"],
-                          threads=2, ctx=256) as spec:
-        runs = [spec.complete(p, 24, temperature=0.0) for p in prompts]
-    assert [r["tokens"] for r in runs] == want
-    steps = sum(r["verify_steps"] for r in runs)
-    assert steps > 0  # the drafter was used
-    stats, proposer = DecodeStats(), R.load_proposer(str(run), convertible.model, gamma=3)
-    for p in prompts:
-        speculative_generate(convertible.model, proposer, torch.tensor([p]), 24, Sampling(0.0), stats=stats)
-    assert 1 + sum(r["accepted"] for r in runs) / steps == pytest.approx(stats.tau, rel=0.05)
+    served_as_ours(model, draft, spec_type, run, convertible.model)

@@ -157,6 +157,13 @@ def test_served_by_llama_server_each_drafter_leaves_greedy_output_unchanged_and_
     model = llama_cpp.convert(target.path, tmp_path / "target.gguf", "f32")
     run = served_drafter(kind, target, tmp_path / "run")
     draft = R.export(run, "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
+    served_as_ours(model, draft, spec_type, run, target.model)
+
+
+def served_as_ours(model: Path, draft: Path, spec_type: str, run: Path, target_model) -> None:
+    """Serve `draft` beside the target GGUF `model` on 4 random prompts: greedy output equals the target's alone, the
+    drafter is used, and llama.cpp's acceptance length (1 + accepted / drafting steps) is our tau within 5%, same
+    drafter (`run`) and draft length."""
     prompts = [[1, *torch.randint(3, 280, (12,), generator=torch.Generator().manual_seed(i)).tolist()]
                for i in range(4)]
     with llama_cpp.Server(model, threads=2, ctx=256) as plain:
@@ -167,8 +174,7 @@ def test_served_by_llama_server_each_drafter_leaves_greedy_output_unchanged_and_
     assert [r["tokens"] for r in runs] == want
     steps = sum(r["verify_steps"] for r in runs)
     assert steps > 0  # the drafter was used
-    stats, proposer = DecodeStats(), R.load_proposer(str(run), target.model, gamma=3)
+    stats, proposer = DecodeStats(), R.load_proposer(str(run), target_model, gamma=3)
     for p in prompts:
-        speculative_generate(target.model, proposer, torch.tensor([p]), 24, Sampling(0.0), stats=stats)
-    # llama.cpp's acceptance length (1 + accepted / drafting steps) against our tau, same drafter and draft length
+        speculative_generate(target_model, proposer, torch.tensor([p]), 24, Sampling(0.0), stats=stats)
     assert 1 + sum(r["accepted"] for r in runs) / steps == pytest.approx(stats.tau, rel=0.05)

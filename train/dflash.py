@@ -12,18 +12,15 @@ checkpoint by tau.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from draftsmith.data.core import read_file
 from draftsmith.data.dataset import DataConfig
 from draftsmith.decoding.evaluate import decode_metric_names
 from draftsmith.models.dflash import DFlash, DFlashConfig, mask_token
-from draftsmith.models.eagle import draft_vocab
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
-from draftsmith.train.eagle import EvalConfig
+from draftsmith.train.eagle import EvalConfig, kept_draft_vocab
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 from draftsmith.train.runner import Spec, decoder, run
@@ -82,18 +79,9 @@ def evaluator(cfg: Recipe, target, method: DFlash, heldout: list[dict]):
 def build(cfg: Recipe, target, train) -> DFlash:
     """The method: its mask token (`mask_token`) and, with dflash.draft_vocab_size, its draft vocabulary: that of the
     checkpoint loop.init_from names (its head's rows), else the training rows' most frequent trained tokens."""
-    size, ids = cfg.dflash.draft_vocab_size, None
-    if size and cfg.loop.init_from:
-        state = read_file(Path(cfg.loop.init_from) / "state.json", "pass loop.init_from= a checkpoint-<step> "
-                          "directory of a DFlash run")
-        ids = (state.get("method") or {}).get("draft_ids")
-        if ids is None or len(ids) != size:
-            raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of "
-                                f"{len(ids or [])} tokens; set dflash.draft_vocab_size={len(ids or [])}")
-    if size and ids is None:
-        ids = draft_vocab(train, target.config.get_text_config().vocab_size, size)
-    return DFlash(target, cfg.dflash, mask_token(target, cfg.dflash.mask_token_id),
-                  None if ids is None else torch.as_tensor(ids))
+    size = cfg.dflash.draft_vocab_size
+    ids = kept_draft_vocab(cfg.loop.init_from, size, "dflash", "a DFlash run", train, target) if size else None
+    return DFlash(target, cfg.dflash, mask_token(target, cfg.dflash.mask_token_id), ids)
 
 
 SPEC = Spec(Recipe, RECIPES / "dflash/tiny-code.yaml", __doc__, build=build, evaluator=evaluator,

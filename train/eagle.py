@@ -126,16 +126,21 @@ def draft_ids(cfg: Recipe, target, train) -> torch.Tensor | None:
     rows' most frequent loss-masked tokens (None: EAGLE-1's whole vocabulary)."""
     if cfg.eagle.version != 3:
         return None
-    if cfg.loop.init_from:
-        state = read_file(Path(cfg.loop.init_from) / "state.json", "pass loop.init_from= a checkpoint-<step> "
-                          "directory of an EAGLE-3 run")
+    return kept_draft_vocab(cfg.loop.init_from, cfg.eagle.draft_vocab_size, "eagle", "an EAGLE-3 run", train, target)
+
+
+def kept_draft_vocab(init_from: str, size: int, section: str, run: str, train, target) -> torch.Tensor:
+    """A drafter's draft vocabulary of `size` tokens: that of the checkpoint `init_from` names, when it has one (a
+    fine-tune keeps its head's rows), else the training rows' most frequent loss-masked tokens."""
+    if init_from:
+        state = read_file(Path(init_from) / "state.json", f"pass loop.init_from= a checkpoint-<step> directory of {run}")
         ids = (state.get("method") or {}).get("draft_ids")
         if ids is not None:
-            if len(ids) != cfg.eagle.draft_vocab_size:
-                raise C.ConfigError(f"loop.init_from={cfg.loop.init_from} has a draft vocabulary of {len(ids)} "
-                                    f"tokens; set eagle.draft_vocab_size={len(ids)}")
+            if len(ids) != size:
+                raise C.ConfigError(f"loop.init_from={init_from} has a draft vocabulary of {len(ids)} tokens; set "
+                                    f"{section}.draft_vocab_size={len(ids)}")
             return torch.tensor(ids)
-    return draft_vocab(train, target.config.get_text_config().vocab_size, cfg.eagle.draft_vocab_size)
+    return draft_vocab(train, target.config.get_text_config().vocab_size, size)
 
 
 def checkpoint_evaluator(cfg: Recipe, target, heldout: list[dict]) -> Callable[[Eagle, int], dict]:

@@ -279,9 +279,12 @@ class DFlash(MethodBase):
             anchors = torch.multinomial(eligible.float() + 1e-6, min(cfg.anchors, s))  # [b, A]
         A = anchors.shape[1]
         with torch.no_grad():
-            tap = self.target.tap(ids, batch.get("attention_mask"), batch.get("position_ids"), tuple(self.layers))
-            feats = torch.cat([tap.layers[i] for i in self.layers], -1).to(d.fc.weight.dtype)  # [b, s, n*H]
-            target_logits = self.target.logits(tap.hidden).float()  # [b, s, V]
+            if "aux" in batch:  # offline: the features a hidden-state cache holds (data/hidden_cache.py)
+                feats, hidden = batch["aux"], batch["hidden"]  # [b, s, n*H], [b, s, H]
+            else:
+                tap = self.target.tap(ids, batch.get("attention_mask"), batch.get("position_ids"), tuple(self.layers))
+                feats, hidden = torch.cat([tap.layers[i] for i in self.layers], -1), tap.hidden
+            feats = feats.to(d.fc.weight.dtype)
             slot = torch.arange(B, device=ids.device)  # [B]
             block_ids = torch.where(slot == 0, torch.gather(ids, 1, anchors)[:, :, None], self.mask_token_id)
             emb = self.target.embed(block_ids).to(feats.dtype).flatten(1, 2)  # [b, A*B, H]
@@ -301,11 +304,9 @@ class DFlash(MethodBase):
         if d.markov_head is not None:  # teacher-forced: the previous token is the data's
             z = z + d.markov_head(torch.gather(ids, 1, prev).view(b, A, n)).float()
         log_q = F.log_softmax(z, -1)  # [b, A, n, Vd]
-        teacher = torch.gather(target_logits, 1, prev[..., None].expand(-1, -1, target_logits.shape[-1])
-                               ).view(b, A, n, -1)  # [b, A, n, V]
-        greedy = teacher.argmax(-1)  # [b, A, n] the target's token at each drafted position
+        p, greedy = self.teacher(hidden, prev, batch.get("greedy"))  # the target's token at each drafted position
+        p, greedy = p.view(b, A, n, -1), greedy.view(b, A, n)  # [b, A, n, Vd], [b, A, n]
         draft_ids = d.draft_ids
-        p = F.softmax(teacher if draft_ids is None else teacher[..., draft_ids], -1)  # [b, A, n, Vd]
         valid = eligible.gather(1, anchors)[:, :, None] & inside \
             & (torch.gather(seq, 1, label_at.flatten(1)).view(b, A, n) == seq_a[:, :, None]) \
             & torch.gather(trained, 1, label_at.flatten(1)).view(b, A, n)
@@ -322,6 +323,19 @@ class DFlash(MethodBase):
             metrics[f"cond_acc_{i}"] = masked_mean(ok[:, :, i].float(), valid[:, :, i] & on_path).item()
             on_path = on_path & ok[:, :, i] & fed[:, :, i]
         return total / sum(cfg.decay ** i for i in range(n)), metrics
+
+    @torch.no_grad()
+    def teacher(self, hidden: torch.Tensor, at: torch.Tensor, greedy: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target at positions `at` [b, m] of hidden [b, s, H] (final post-norm) -> (p [b, m, Vd] its softmax,
+        renormalised over the draft vocabulary, greedy [b, m] its argmax over the whole vocabulary). The head runs at
+        those positions alone, and with a cache's `greedy` [b, s] (offline) over the draft vocabulary's rows alone."""
+        x = torch.gather(hidden, 1, at[..., None].expand(-1, -1, hidden.shape[-1])).to(self.target.lm_head.weight.dtype)
+        rows = self.drafter.draft_ids
+        if greedy is not None and rows is not None:
+            return F.softmax(self.target.logits(x, rows).float(), -1), torch.gather(greedy, 1, at).long()
+        logits = self.target.logits(x).float()  # [b, m, V]
+        return F.softmax(logits if rows is None else logits[..., rows], -1), logits.argmax(-1)
 
     def proposer(self, target=None, gamma: int | None = None, **unused) -> DFlashProposer:
         return DFlashProposer(self.drafter, self.target.embed, self.target.lm_head, self.layers, self.mask_token_id,

@@ -227,3 +227,26 @@ def test_training_offline_gives_the_losses_of_training_online(tiny_chat_target, 
         with pytest.raises(ValueError, match=r"other data .*`--reuse .*cache` links the shards whose tokens"):
             train(*config, *common, "data.limit=30", f"offline.path={tmp_path / 'cache'}",
                   f"loop.output_dir={tmp_path / 'other-data'}")
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 96])
+def test_dflash_trains_from_an_eagle3_cache_as_it_trains_online(tiny_chat_target, tmp_path, draft_vocab):
+    """DFlash reads an EAGLE-3 cache of its layers: the cache's aux are its fused features, its hidden the
+    teacher's (with a draft vocabulary, the head over those rows alone and the cache's greedy): same seed, same
+    anchors, the losses and weights of training online."""
+    data = [f"target.path={tiny_chat_target}", "data.limit=40", "data.max_length=128", "data.cache=false"]
+    cache_command.main(["--config", str(REPO / "recipes/eagle3/tiny-code.yaml"), *data, "eagle.aux_layers=[1,2,3]",
+                        "--out", str(tmp_path / "cache"), "--dtype", "float32", "--shard-tokens", "200"])
+    common = ["--config", str(REPO / "recipes/dflash/tiny-code.yaml"), *data, "dflash.aux_layers=[1,2,3]",
+              f"dflash.draft_vocab_size={draft_vocab}",
+              "eval.num_prompts=0", "eval.heldout_examples=12", "loop.batch_size=2", "loop.max_steps=5",
+              "loop.save_every=5", "loop.log_every=1", "loop.best_metric=", "loop.lr=1e-2"]
+    online, w_online = train(*common, f"loop.output_dir={tmp_path / 'online'}", entry="train/dflash.py")
+    offline, w_offline = train(*common, f"loop.output_dir={tmp_path / 'offline'}", f"offline.path={tmp_path / 'cache'}",
+                               entry="train/dflash.py")
+    assert len(online) == 5 and len(set(online)) == 5
+    torch.testing.assert_close(offline, online, rtol=0, atol=2e-6)
+    torch.testing.assert_close(w_offline, w_online, rtol=1e-5, atol=1e-6)
+    with pytest.raises(CacheError, match="holds layers"):
+        train(*common, "dflash.aux_layers=[0,1,2]", f"offline.path={tmp_path / 'cache'}",
+              f"loop.output_dir={tmp_path / 'other-layers'}", entry="train/dflash.py")

@@ -99,10 +99,10 @@ def heldout_metrics(method: Eagle, batches: list[dict], steps: int) -> dict[str,
             "expected_tau_t1": tau("accept")}
 
 
-def offline_rows(cfg: Recipe, target) -> HiddenCache:
-    """The hidden-state cache at offline.path, refused unless it holds this target's features of this recipe's
-    layers for this recipe's data."""
-    cache = HiddenCache(cfg.offline.path, target, aux_layers(cfg.eagle, target.config.get_text_config().num_hidden_layers))
+def offline_rows(cfg, target, layers: list[int]) -> HiddenCache:
+    """The hidden-state cache at offline.path, refused unless it holds this target's features of `layers` (the
+    method's hidden_states indices) for the recipe's data."""
+    cache = HiddenCache(cfg.offline.path, target, layers)
     written = cache.manifest["meta"].get("data_key")
     if written != cache_key(cfg.data, target.tokenizer):
         raise ValueError(f"offline.path={cfg.offline.path} was written from other data than this recipe's `data` "
@@ -169,7 +169,8 @@ def spec(default_recipe: Path, doc: str, recipe: type = Recipe, build=None) -> S
                 build=build or (lambda cfg, target, train: Eagle(target, cfg.eagle, draft_ids(cfg, target, train))),
                 evaluator=lambda cfg, target, method, heldout: checkpoint_evaluator(cfg, target, heldout),
                 metric_names=lambda cfg, target: metric_names(cfg),
-                data=lambda cfg, target: offline_rows(cfg, target) if cfg.offline.path
+                data=lambda cfg, target: offline_rows(cfg, target, aux_layers(
+                    cfg.eagle, target.config.get_text_config().num_hidden_layers)) if cfg.offline.path
                 else build_dataset(cfg.data, target.tokenizer),
                 collate=lambda cfg: collate_features if cfg.offline.path else collate)
 

@@ -112,7 +112,8 @@ def ttt_attention(attn: LlamaAttention, x: torch.Tensor, rope: tuple, visible: t
     past.steps.append((repeat_kv(key, attn.num_key_value_groups), repeat_kv(value, attn.num_key_value_groups)))
     (k0, v0), *later = past.steps  # [b, heads, s or m, d] each
     q = q * attn.scaling
-    scores = (q @ k0.transpose(2, 3)).masked_fill(~visible[:, None], torch.finfo(q.dtype).min)  # [b, heads, m, s]
+    scores = q @ k0.transpose(2, 3)  # [b, heads, m, s]; under autocast in its dtype, which q's may not be
+    scores = scores.masked_fill(~visible[:, None], torch.finfo(scores.dtype).min)
     s = scores.shape[-1]
     if later:
         k_later, v_later = (torch.stack(x, 3) for x in zip(*later, strict=True))  # [b, heads, m, k, d] each

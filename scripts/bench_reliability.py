@@ -294,7 +294,7 @@ def rank_fault(fault: str, rank: int, config: str = "") -> Callable[[Path], dict
         after = ended - float(fault_at.group(1)) if fault_at else math.inf
         return {**r, "seconds_after_fault": round(after, 1),
                 # at once, or (a stopped rank) the 20-s collective timeout plus the launcher's 30-s grace to SIGKILL
-                "ended_in_time": after < (60 if fault == "stop" else 10),
+                "ended_in_time": after < (60 if fault == "hang" else 10),
                 "one_error_line": r["output"].count(": error: ") == 1,
                 "nothing_left_running": not alive, "last_checkpoint_verifies": kept,
                 "resumed_to_the_end": again["rc"] == 0 and f"resumed from {d}/checkpoint-4" in again["output"]}
@@ -581,7 +581,7 @@ def cases() -> list[Case]:
           for fault, rank, tried, line in [
               ("kill", 1, "SIGKILL rank 1 after step 6", r"rank 1 died after step 6 \(its process \d+ is gone\); the "
                r"last checkpoint is .*checkpoint-4; rerun the same command to resume"),
-              ("stop", 1, "SIGSTOP rank 1 after step 6", r"rank 1 stopped answering after step 6 \(no sign of life for "
+              ("hang", 1, "SIGSTOP rank 1 after step 6", r"rank 1 stopped answering after step 6 \(no sign of life for "
                r"\d+ s, loop.collective_timeout_minutes=0.33\); the last checkpoint is .*checkpoint-4"),
               ("raise", 1, "rank 1's data raises after step 6", r"rank 1: row 7 of the training data is unreadable")]),
         Case("low_disk_checkpoint", "disk", "train with 1 MiB free", low_disk_checkpoint,
@@ -668,11 +668,11 @@ def main(argv: list[str] | None = None) -> dict:
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
     for r in records:
         r["load_average"] = load
-    if args.only and Path(args.out).is_file():  # the new records in their cases' order, the earlier ones kept
-        order = [case.name for case in cases()]
+    if args.only and Path(args.out).is_file():  # the new records in their cases' order, the earlier ones of cases
+        order = [case.name for case in cases()]  # that still exist kept
         new = {r["name"]: r for r in records}
-        kept = [r for r in json.loads(Path(args.out).read_text())["cases"] if r["name"] not in new]
-        records = sorted(kept + records, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        kept = [r for r in json.loads(Path(args.out).read_text())["cases"] if r["name"] not in new and r["name"] in order]
+        records = sorted(kept + records, key=lambda r: order.index(r["name"]))
     summary = {"cases": len(records), "ok": sum(r["ok"] for r in records),
                "one_line_errors": sum(not r["traceback_shown"] for r in records),
                "classes": sorted({r["class"] for r in records}), "seconds": round(sum(r["seconds"] for r in records), 1)}

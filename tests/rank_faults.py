@@ -4,7 +4,7 @@
 
 FAULT happens on rank RANK once it has done N optimizer steps, as it reads its next batch:
     kill    it SIGKILLs itself (the OOM killer, a lost machine)
-    stop    it SIGSTOPs itself (a hung rank: alive, never answering)
+    hang    it SIGSTOPs itself (a hung rank: alive, never answering)
     raise   its data raises a ValueError
 or, with slow, rank RANK spends N seconds more in each checkpoint: before it gathers its evaluation statistics, and
 (rank 0) before it writes the checkpoint, while the other ranks wait for it.

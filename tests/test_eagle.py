@@ -791,3 +791,14 @@ def test_a_run_started_from_another_keeps_its_draft_vocabulary(tiny_chat_target,
     with pytest.raises(C.ConfigError, match=r"has a draft vocabulary of 200 tokens; set eagle.draft_vocab_size=200"):
         run_recipe("train/eagle3.py", "recipes/eagle3/tiny-code.yaml", tiny_chat_target, tmp_path / "c", *quiet,
                    f"loop.init_from={init}", "eagle.draft_vocab_size=100")
+
+
+@pytest.mark.parametrize("layers", [[2], [1, 2, 3]])
+def test_a_training_step_runs_under_bf16_autocast(layers):
+    """The loop's bf16 autocast: the masked scores take the fill value of their own (autocast) dtype, which q's
+    (float32 after RoPE) is not."""
+    m = method(3, aux_layers=layers).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = m(batch())
+    loss.backward()
+    assert torch.isfinite(loss) and sum(p.grad.abs().sum() for p in m.drafter.parameters() if p.grad is not None) > 0

@@ -36,7 +36,7 @@ SLACK = 10  # seconds for what else a loaded machine may take
 LINES = {  # what the one line says, past `medusa.py: error: `
     "kill": r"rank {r} died after step 6 \(its process \d+ is gone\); the last checkpoint is \S+/checkpoint-4; "
             r"rerun the same command to resume",
-    "stop": r"rank {r} stopped answering after step 6 \(no sign of life for \d+ s, loop.collective_timeout_minutes="
+    "hang": r"rank {r} stopped answering after step 6 \(no sign of life for \d+ s, loop.collective_timeout_minutes="
             r"0.33\); the last checkpoint is \S+/checkpoint-4; rerun the same command to resume",
     "raise": r"rank {r}: row 7 of the training data is unreadable \(a fault injected on rank {r}\)",
 }
@@ -71,10 +71,10 @@ def running(pid: int) -> bool:
 
 @pytest.mark.parametrize("backend, fault, rank", [
     ("ddp", "kill", 1),
-    pytest.param("ddp", "stop", 1, marks=pytest.mark.slow),
+    pytest.param("ddp", "hang", 1, marks=pytest.mark.slow),
     pytest.param("ddp", "raise", 1, marks=pytest.mark.slow),
     pytest.param("fsdp2", "kill", 1, marks=pytest.mark.slow),
-    pytest.param("fsdp2", "stop", 0, marks=pytest.mark.slow),  # rank 0, which holds the run's lock
+    pytest.param("fsdp2", "hang", 0, marks=pytest.mark.slow),  # rank 0, which holds the run's lock
     pytest.param("fsdp2", "raise", 0, marks=pytest.mark.slow),
 ])
 def test_a_faulty_rank_ends_the_launch_with_one_line_and_the_same_command_resumes(backend, fault, rank,
@@ -86,7 +86,7 @@ def test_a_faulty_rank_ends_the_launch_with_one_line_and_the_same_command_resume
     assert rc != 0 and len(pids) >= 2, output[-3000:]  # the launcher's children: the 2 ranks
     fault_at = float(re.search(rf"fault: {fault} rank {rank} at (\S+)", output).group(1))
     # a stopped rank: the other's collective times out, then the launcher ends the stopped one; else: at once
-    limit = 60 * TIMEOUT_MINUTES + LAUNCHER_GRACE + SLACK if fault == "stop" else SLACK
+    limit = 60 * TIMEOUT_MINUTES + LAUNCHER_GRACE + SLACK if fault == "hang" else SLACK
     assert ended - fault_at < limit, f"ended {ended - fault_at:.0f} s after the fault"
     errors = [line for line in output.splitlines() if ": error: " in line]
     assert len(errors) == 1 and re.search(LINES[fault].format(r=rank), errors[0]), errors or output[-3000:]

@@ -8,7 +8,9 @@
     recipes run offline.
 Rows may be OpenAI `messages`, ShareGPT `conversations` or plain `text` (see `data/chat.py`).
 
-Over-long examples are truncated to their first `max_length` tokens or dropped; an example
+A conversation whose chat template rewrites earlier turns (Qwen3, gpt-oss, ...) becomes several examples, one per
+run of assistant turns (data/chat.py). Over-long examples are truncated to their first `max_length` tokens or dropped;
+what that cuts from the assistant tokens is said in one warning per dataset, with how to keep it. An example
 with no assistant token left, or with a turn whose content is not text (null, missing, image
 parts), is an error by default (a count and the first offending row), or dropped and counted. The result is cached with `save_to_disk` under a key that hashes the tokenizer, the
 chat template, the data and the config fields that change the output, and reused on a hit.
@@ -29,7 +31,7 @@ from typing import Any, Literal
 
 import datasets
 
-from draftsmith.data.chat import NoAssistantTokens, UnreadableContent, to_messages, tokenize_example
+from draftsmith.data.chat import NoAssistantTokens, UnreadableContent, to_messages, tokenize_sequences
 from draftsmith.data.core import ConfigError, json_lines, read_file
 from draftsmith.data.packing import pack
 
@@ -77,23 +79,39 @@ class DataConfig:
 
 @dataclasses.dataclass
 class DataStats:
-    """What happened to the examples on their way to rows."""
+    """What happened to the examples on their way to rows. `read` counts the rows read, `examples` what they became
+    (more where a chat template splits a conversation per assistant turn); the counts after it are of examples."""
 
     read: int = 0
+    examples: int = 0
     truncated: int = 0
     dropped_overlong: int = 0
     no_assistant: int = 0  # dropped (or the error) for having no assistant token, after truncation
-    unreadable: int = 0  # dropped (or the error) for a turn whose content is not text
+    unreadable: int = 0  # rows dropped (or the error) for a turn whose content is not text
     kept: int = 0
     rows: int = 0
     tokens: int = 0  # in rows, padding excluded
     trained_tokens: int = 0  # loss_mask ones
+    over_length: int = 0  # examples longer than max_length (truncated, dropped, or cut to no assistant token)
+    cut_trained: int = 0  # loss_mask ones that truncation cut or over-long examples dropped took
+    longest: int = 0  # tokens of the longest example, before truncation
 
     def summary(self) -> str:
-        return (f"read {self.read} examples: truncated {self.truncated}, dropped {self.dropped_overlong} over-long, "
-                f"dropped {self.no_assistant} without assistant tokens, {self.unreadable} with unreadable content; kept {self.kept} -> {self.rows} rows, "
-                f"{self.tokens} tokens, {self.trained_tokens} trained")
+        split = f" -> {self.examples} examples (one per run of assistant turns)" if self.examples != self.read else ""
+        return (f"read {self.read} examples{split}: truncated {self.truncated}, dropped {self.dropped_overlong} "
+                f"over-long, dropped {self.no_assistant} without assistant tokens, {self.unreadable} with unreadable "
+                f"content; kept {self.kept} -> {self.rows} rows, {self.tokens} tokens, {self.trained_tokens} trained")
 
+    def cut_note(self, max_length: int, overlong: str) -> str:
+        """One line on the assistant tokens that over-long examples lost and how to keep them; empty when none."""
+        if not self.cut_trained:
+            return ""
+        total = self.cut_trained + self.trained_tokens
+        how, other = ("truncating", "data.overlong=drop to leave such examples out") if overlong == "truncate" else \
+            ("dropping", "data.overlong=truncate to train on their first data.max_length tokens")
+        return (f"data: {self.over_length} of {self.examples} examples are longer than data.max_length={max_length}; "
+                f"{how} them lost {self.cut_trained} of {total} assistant tokens ({self.cut_trained / total:.1%}), "
+                f"the longest has {self.longest} tokens: raise data.max_length to keep them, or set {other}")
 
 
 def sha256_file(path: Path) -> str:
@@ -225,36 +243,56 @@ def cache_key(cfg: DataConfig, tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _tokenize_one(example: dict[str, Any], tokenizer, max_length: int, overlong: str) -> dict[str, Any]:
-    """Tokenize, then truncate or drop; `status` says what happened."""
-    try:
-        out = tokenize_example(tokenizer, example)
-    except NoAssistantTokens:
-        return {"input_ids": [], "loss_mask": [], "status": "no_assistant"}
-    except UnreadableContent:
-        return {"input_ids": [], "loss_mask": [], "status": "unreadable"}
-    status = "ok"
-    if len(out["input_ids"]) > max_length:
-        if overlong == "drop":
-            return {"input_ids": [], "loss_mask": [], "status": "overlong"}
-        out = {k: v[:max_length] for k, v in out.items()}
-        status = "no_assistant" if not any(out["loss_mask"]) else "truncated"
-    return {**out, "status": status}
+def _tokenize_rows(batch: dict[str, list], indices: list[int], tokenizer, max_length: int,
+                   overlong: str) -> dict[str, list]:
+    """Each row of `batch` -> its examples (`tokenize_sequences`), truncated or dropped. Per example: `status` says
+    what happened, `row` the row it came from, `cut` the loss_mask ones lost to length, `length` its length before."""
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "status": [], "row": [], "cut": [], "length": []}
+
+    def add(status: str, row: int, ids=(), mask=(), cut: int = 0, length: int = 0) -> None:
+        for key, value in zip(out, (list(ids), list(mask), status, row, cut, length), strict=True):
+            out[key].append(value)
+
+    for j, row in enumerate(indices):
+        try:
+            sequences = tokenize_sequences(tokenizer, {k: v[j] for k, v in batch.items()})
+        except NoAssistantTokens:
+            add("no_assistant", row)
+            continue
+        except UnreadableContent:
+            add("unreadable", row)
+            continue
+        for seq in sequences:
+            ids, mask, n = seq["input_ids"], seq["loss_mask"], len(seq["input_ids"])
+            if n <= max_length:
+                add("ok" if any(mask) else "no_assistant", row, ids, mask, length=n)
+            elif overlong == "drop":
+                add("overlong", row, cut=sum(mask), length=n)
+            else:
+                kept = mask[:max_length]
+                add("truncated" if any(kept) else "no_assistant", row, ids[:max_length], kept,
+                    cut=sum(mask) - sum(kept), length=n)
+    return out
 
 
 def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
     """Tokenize, cut to length, check assistant tokens and optionally pack `raw`."""
-    tokenized = raw.map(_tokenize_one, fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
-                                                  "overlong": cfg.overlong},
-                        remove_columns=raw.column_names, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+    tokenized = raw.map(_tokenize_rows, fn_kwargs={"tokenizer": tokenizer, "max_length": cfg.max_length,
+                                                   "overlong": cfg.overlong},
+                        batched=True, with_indices=True, remove_columns=raw.column_names,
+                        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                         features=datasets.Features({"input_ids": ROW_FEATURES["input_ids"], "loss_mask": ROW_FEATURES["loss_mask"],
-                                                    "status": datasets.Value("string")}),
+                                                    "status": datasets.Value("string"), "row": datasets.Value("int64"),
+                                                    "cut": datasets.Value("int64"), "length": datasets.Value("int64")}),
                         keep_in_memory=True, new_fingerprint=uuid.uuid4().hex, desc="tokenizing")
-    status = tokenized["status"]
-    stats = DataStats(read=len(raw), truncated=status.count("truncated"), dropped_overlong=status.count("overlong"),
-                      no_assistant=status.count("no_assistant"), unreadable=status.count("unreadable"))
+    status, row_of = tokenized["status"], tokenized["row"]
+    stats = DataStats(read=len(raw), examples=len(tokenized) - status.count("unreadable"),
+                      truncated=status.count("truncated"), dropped_overlong=status.count("overlong"),
+                      no_assistant=status.count("no_assistant"), unreadable=status.count("unreadable"),
+                      over_length=sum(n > cfg.max_length for n in tokenized["length"]),
+                      cut_trained=sum(tokenized["cut"]), longest=max(tokenized["length"], default=0))
     if stats.unreadable and cfg.on_unreadable == "error":
-        first = status.index("unreadable")
+        first = row_of[status.index("unreadable")]
         try:
             to_messages(raw[first])
         except UnreadableContent as e:
@@ -263,13 +301,14 @@ def tokenize_dataset(raw: datasets.Dataset, cfg: DataConfig, tokenizer) -> tuple
             f"{cfg.path or '(reference examples)'} row {first}: {why} ({stats.unreadable} of {stats.read} "
             "examples have such a turn); fix the data, or set data.on_unreadable=drop to skip and count them")
     if stats.no_assistant and cfg.on_no_assistant == "error":
-        first = status.index("no_assistant")
+        first = row_of[status.index("no_assistant")]
         raise NoAssistantTokens(
-            f"{stats.no_assistant} of {stats.read} examples have no assistant token to train on (first: row {first}: "
-            f"{_describe(raw[first])}), counting those whose assistant turns lie beyond max_length={cfg.max_length}; "
-            "fix the data, raise data.max_length, or set data.on_no_assistant=drop to skip them")
+            f"{stats.no_assistant} of {stats.examples} examples have no assistant token to train on (first: row "
+            f"{first}: {_describe(raw[first])}), counting those whose assistant turns lie beyond "
+            f"max_length={cfg.max_length}; fix the data, raise data.max_length, or set data.on_no_assistant=drop to "
+            "skip them")
     keep = [i for i, s in enumerate(status) if s in ("ok", "truncated")]
-    ds = tokenized.select(keep).remove_columns("status")
+    ds = tokenized.select(keep).remove_columns(["status", "row", "cut", "length"])
     stats.kept = len(ds)
     stats.tokens = sum(map(len, ds["input_ids"]))
     if cfg.pack and len(ds):
@@ -291,6 +330,12 @@ def _describe(example: dict[str, Any]) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _warn_cut(stats: DataStats, cfg: DataConfig) -> None:
+    note = stats.cut_note(cfg.max_length, cfg.overlong)
+    if note:
+        log.warning(note)
+
+
 def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
     """One source's rows (data.path's; `build_dataset` appends data.extra's) and the counts of what was read,
     truncated and dropped."""
@@ -300,9 +345,11 @@ def prepare(cfg: DataConfig, tokenizer) -> tuple[datasets.Dataset, DataStats]:
         stats = DataStats(**read_file(final / "stats.json", f"delete {final} (a damaged data cache); the next run "
                                       "rebuilds it"))
         log.info("data: cache hit %s: %s", final, stats.summary())
+        _warn_cut(stats, cfg)
         return datasets.load_from_disk(str(final)), stats
     ds, stats = tokenize_dataset(load_raw(cfg), cfg, tokenizer)
     log.info("data: %s", stats.summary())
+    _warn_cut(stats, cfg)
     if not len(ds):
         raise ValueError(f"data: no example left to train on ({stats.summary()}); check data.path, data.max_length "
                          "and data.overlong")

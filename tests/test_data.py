@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data import core
 from draftsmith.data import dataset as D
-from draftsmith.data.chat import NoAssistantTokens, TemplateMismatch, tokenize_example
+from draftsmith.data.chat import NoAssistantTokens, tokenize_conversation, tokenize_example
 from draftsmith.data.packing import pack
 from draftsmith.data.tokenizer import train_bpe
 from draftsmith.train import config as C
@@ -318,9 +318,11 @@ def test_hub_names_go_to_load_dataset(tokenizer, monkeypatch):
     assert D._data_key(cfg) == {"hub": "someone/chat-data", "revision": "abc123", "split": "train_sft"}
 
 
-def test_rewriting_template_fails_the_build(tokenizer, tmp_path):
+def test_a_rewriting_template_gives_one_example_per_assistant_turn(tokenizer, tmp_path):
+    """Qwen3 strips earlier turns' <think> blocks: the two-answer conversation becomes two examples."""
     path = write_all_formats(tmp_path)["jsonl"]
     qwen3 = train_bpe(["def add(a, b):"] * 4, vocab_size=300)
     qwen3.chat_template = (Path(__file__).parent / "fixtures/chat_templates/qwen3.jinja").read_text()
-    with pytest.raises(TemplateMismatch, match="add {% generation %}"):
-        D.build_dataset(D.DataConfig(path=str(path), cache=False), qwen3)
+    ds, stats = D.prepare(D.DataConfig(path=str(path), cache=False), qwen3)
+    assert (stats.read, stats.examples, stats.kept) == (3, 4, 4)
+    assert ds.to_list() == [seq for c in CONVERSATIONS for seq in tokenize_conversation(qwen3, c)]

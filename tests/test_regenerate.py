@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from draftsmith.data import server as server_module
+from draftsmith.data.chat import tokenize_sequences
 from draftsmith.data.tokenizer import END, train_bpe
 from draftsmith.train import regenerate
 from draftsmith.train.guard import cli
@@ -74,7 +75,7 @@ def test_regenerates_every_assistant_turn(target, tmp_path):
             # The batched, left-padded reply equals the reply to this prefix alone (no padding),
             # given the conversation so far with earlier turns already regenerated.
             (alone,) = regenerate.generate(model, tokenizer, [new["messages"][:i]], 0.0, 6)
-            assert m_new["content"] == alone
+            assert m_new == {"role": "assistant", **alone}
             assert m_new["content"] != m_old.get("content")
     first_replies = [next(m["content"] for m in r["messages"] if m["role"] == "assistant") for r in rows]
     assert len(set(first_replies)) == len(rows)  # the model reads the prompt, so the check above has teeth
@@ -83,7 +84,7 @@ def test_regenerates_every_assistant_turn(target, tmp_path):
     prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]
                for r in rows]
     tokenizer.padding_side = "right"
-    assert regenerate.generate(model, tokenizer, prompts, 0.0, 6) != first_replies
+    assert [r["content"] for r in regenerate.generate(model, tokenizer, prompts, 0.0, 6)] != first_replies
 
 
 def test_resume_after_a_partial_file(target, tmp_path):
@@ -193,6 +194,39 @@ def test_a_server_answers_as_the_in_process_path_does(target, tmp_path):
     assert {k: v for k, v in settings.items() if k not in ("answered_by", "command")} == \
         {k: v for k, v in here_settings.items() if k not in ("answered_by", "command")}
     assert settings["sampling"] == {"temperatures": [0.0], "top_k": 0, "top_p": 1.0, "max_new_tokens": 6, "seed": 0}
+
+
+def test_a_servers_reasoning_replaces_the_inputs_and_is_trained(target, tmp_path):
+    """A reply's reasoning that the server returns apart from its text (choices[0].reasoning_content, or `reasoning`)
+    is written as the turn's reasoning_content; the input's own reasoning never outlives its turn. A template that
+    renders reasoning (Qwen3's) then trains each turn's reasoning with its answer."""
+    from openai_server import FakeServer, echo
+
+    data = tmp_path / "data.jsonl"
+    old = [{**m, "reasoning_content": "old thoughts"} if m["role"] == "assistant" else m for m in ROWS[1]["messages"]]
+    data.write_text(json.dumps({**ROWS[1], "messages": old}) + "\n")
+
+    def reasoned(body: dict) -> dict:
+        field = "reasoning_content" if len(body["prompt"]) % 2 else "reasoning"
+        return {"text": echo(body), field: f"thinking over {len(body['prompt'])} ids"}
+    with FakeServer(echo) as plain, FakeServer(reasoned) as parser:
+        (without,) = run(target, data, tmp_path / "plain.jsonl", "--server", plain.url)
+        (row,) = run(target, data, tmp_path / "reasoned.jsonl", "--server", parser.url)
+    assert "old thoughts" not in json.dumps(without) + json.dumps(row)
+    assert [m for m in without["messages"] if m["role"] == "assistant"] == \
+        [{"role": "assistant", "content": echo(b)} for b in plain.requests]
+    assert [m for m in row["messages"] if m["role"] == "assistant"] == \
+        [{"role": "assistant", "content": echo(b), "reasoning_content": f"thinking over {len(b['prompt'])} ids"}
+         for b in parser.requests]
+    assert {len(b["prompt"]) % 2 for b in parser.requests} == {0, 1}  # both field names were answered
+
+    tokenizer = regenerate.AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures/chat_templates/qwen3.jinja").read_text()
+    sequences = tokenize_sequences(tokenizer, row)
+    assert len(sequences) == 2  # Qwen3 strips the first answer's reasoning once the next question follows
+    for seq, b in zip(sequences, parser.requests, strict=True):
+        trained = tokenizer.decode([t for t, m in zip(seq["input_ids"], seq["loss_mask"], strict=True) if m])
+        assert trained.startswith(f"<think>\nthinking over {len(b['prompt'])} ids\n</think>\n\n{echo(b)}")
 
 
 def test_a_server_gets_batch_size_requests_at_once(target, tmp_path):

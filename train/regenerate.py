@@ -10,6 +10,10 @@ assistant turn is generated from the conversation so far (earlier turns already 
 rendered with the target's chat template and its generation prompt; a conversation that ends
 with a user turn gets one more, generated assistant turn, so a file of prompts works too.
 
+A reply replaces the whole assistant turn: its text as generated (a thinking model's reasoning inline, `<think>...`),
+plus `reasoning_content` where a server's reasoning parser returned the reasoning apart; the input turn's own
+reasoning is dropped with it. Training renders both forms as the target's template does (data/chat.py).
+
 Conversations are generated B at a time (left padding, greedy at temperature 0, else sampled). With
 `--server URL` an OpenAI-compatible server answers instead (llama-server, vLLM, SGLang serving the same
 weights; data/server.py): B conversations in flight as concurrent requests, each written as soon as all its
@@ -46,7 +50,7 @@ from typing import Any, TextIO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.data.chat import to_messages
+from draftsmith.data.chat import render, to_messages
 from draftsmith.data.core import DiskFull, check_free, is_disk_full
 from draftsmith.data.dataset import DataConfig, load_raw
 from draftsmith.data.server import REQUEST_TIMEOUT, Server, ServerError
@@ -101,18 +105,20 @@ def conversations(data: str, split: str, limit: int) -> list[dict[str, Any]]:
 
 
 def generate(model, tokenizer, prompts: list[list[dict[str, str]]], temperature: float,
-             max_new_tokens: int) -> list[str]:
-    """One assistant reply per conversation prefix, in one batch (the tokenizer must pad on the left)."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+             max_new_tokens: int) -> list[dict[str, str]]:
+    """One assistant reply per conversation prefix, in one batch (the tokenizer must pad on the left), as `complete`
+    gives it."""
+    texts = [render(tokenizer, p, add_generation_prompt=True) for p in prompts]  # as training renders the context
     return complete(model, tokenizer, texts, temperature, max_new_tokens)
 
 
 @torch.no_grad()
 def complete(model, tokenizer, texts: list[str], temperature: float, max_new_tokens: int,
-             add_special_tokens: bool = False) -> list[str]:
+             add_special_tokens: bool = False) -> list[dict[str, str]]:
     """One continuation per text, in one batch (the tokenizer must pad on the left), or one request per text when
     `model` is a Server. Rendered chat needs no special tokens added; plain text for a base model takes the
-    tokenizer's own (Gemma's BOS)."""
+    tokenizer's own (Gemma's BOS). Each continuation is {"content": text}, the text as generated (reasoning inline
+    where the model writes it so), plus "reasoning_content" where a server's reasoning parser returned it apart."""
     if isinstance(model, Server):
         with TOKENIZE:
             ids = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
@@ -123,12 +129,13 @@ def complete(model, tokenizer, texts: list[str], temperature: float, max_new_tok
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                          **sampling)  # [b, s + new]
     new = out[:, enc["input_ids"].shape[1]:]  # [b, new]
-    return tokenizer.batch_decode(new, skip_special_tokens=True)
+    return [{"content": text} for text in tokenizer.batch_decode(new, skip_special_tokens=True)]
 
 
 def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature: float,
                      max_new_tokens: int) -> list[dict[str, Any]]:
-    """Replace every assistant turn of every conversation in `batch`, turn by turn across the batch."""
+    """Replace every assistant turn of every conversation in `batch`, turn by turn across the batch; a reply
+    replaces the whole turn (its reasoning too: the input's reasoning is not the target's)."""
     convs = [[dict(m) for m in row["messages"]] for row in batch]
     for conv in convs:
         if conv and conv[-1]["role"] != "assistant":
@@ -138,7 +145,7 @@ def regenerate_batch(model, tokenizer, batch: list[dict[str, Any]], temperature:
         todo = [(c, t[k]) for c, t in enumerate(turns) if k < len(t)]
         replies = generate(model, tokenizer, [convs[c][:i] for c, i in todo], temperature, max_new_tokens)
         for (c, i), reply in zip(todo, replies, strict=True):
-            convs[c][i]["content"] = reply
+            convs[c][i] = {"role": "assistant", **reply}
     return [{**row, "messages": conv} for row, conv in zip(batch, convs, strict=True)]
 
 

@@ -97,7 +97,7 @@ def finalize(work: Path, out: Path, target_dir: Path, settings: dict) -> dict:
 def continue_batch(model, tokenizer, batch: list[dict], temperature: float, max_new_tokens: int) -> list[dict]:
     """Plain-text rows `{"prompt", ...}` -> the same rows with `text`: the opening and the target's continuation."""
     tails = complete(model, tokenizer, [r["prompt"] for r in batch], temperature, max_new_tokens, add_special_tokens=True)
-    return [{**r, "text": r["prompt"] + tail} for r, tail in zip(batch, tails, strict=True)]
+    return [{**r, "text": r["prompt"] + tail["content"]} for r, tail in zip(batch, tails, strict=True)]
 
 
 def seed_from_committed(out: Path, answers: Path, timing: Path) -> None:

@@ -10,6 +10,7 @@
     draftsmith regenerate --target DIR --out FILE       # the target's own answers as training data
     draftsmith self-distill --target NAME [--finalize]  # self-distilled chat data for a named real target
     draftsmith gpu-check [--smoke]                      # training throughput of every recipe on one GPU
+    draftsmith plan --target NAME|CONFIG [--seq 2048]   # EAGLE-3's memory per GPU under each launcher, from configs
     draftsmith COMMAND --help                           # a command's options
 
 METHOD is one of train/entries.py's TRAIN (the registry's training entries and `target`); with no RECIPE it trains
@@ -25,13 +26,13 @@ from pathlib import Path
 
 from draftsmith.models import llama_cpp
 from draftsmith.recipes import RECIPES
-from draftsmith.train import bench, cache, evaluate, export, gpu_check, regenerate, self_distill
+from draftsmith.train import bench, cache, evaluate, export, gpu_check, memory_plan, regenerate, self_distill
 from draftsmith.train.entries import TRAIN
 from draftsmith.train.guard import cli
 
 COMMANDS: dict[str, Callable] = {"evaluate": evaluate.main, "export": export.main, "bench": bench.main,
                                  "cache": cache.main, "regenerate": regenerate.main, "self-distill": self_distill.main,
-                                 "gpu-check": gpu_check.main, "llama-cpp": llama_cpp.main}
+                                 "gpu-check": gpu_check.main, "llama-cpp": llama_cpp.main, "plan": memory_plan.main}
 
 
 def shipped_recipes(method: str) -> list[str]:

@@ -67,8 +67,8 @@ def target(tmp_path_factory) -> Target:
 def drafter_dir(target: Target, out: Path, **kw) -> Path:
     torch.manual_seed(1)
     cfg = {"version": 3, "ttt_steps": 3, "aux_layers": AUX, **kw}
-    m = Eagle(target, EagleConfig(**cfg), torch.arange(0, target.model.config.vocab_size, 2) if cfg["version"] == 3
-              else None)
+    vocab = target.model.config.get_text_config().vocab_size
+    m = Eagle(target, EagleConfig(**cfg), torch.arange(0, vocab, 2) if cfg["version"] == 3 else None)
     for p in m.drafter.parameters():
         torch.nn.init.normal_(p, 0.3 if p.dim() == 1 else 0.0, 0.3)
     m.save_pretrained(out)

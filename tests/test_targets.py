@@ -4,7 +4,9 @@ real entry point, decodes greedily exactly as the target alone would, and export
 loaded back by its loader. A mock proposer that drafts the target's own continuation with a token changed now and then
 (accepted most of the time) decodes past every sliding window and attention chunk, through every KV rollback path
 (sliding-window layers, latent attention, MoE routing), greedily and at T=1. What cannot work is refused in one line
-before anything is written, each refusal a test; the drafters' fields come from each family's text config.
+before anything is written, each refusal a test; the drafters' fields come from each family's text config. Each
+family's target (Qwen3-Next's aside) also goes through llama.cpp's converter and serves an EAGLE-3 GGUF beside it in
+llama-server, or llama-server's one-line reason why it cannot is recorded.
 
 docs/targets.md is this file's results as a table: `python scripts/target_matrix.py`.
 """
@@ -20,10 +22,13 @@ import pytest
 import torch
 import transformers as T
 from conftest import chi2_two_tokens, script
+from test_llama_cpp import NEEDS_SERVER, drafter_dir, served_as_ours
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from draftsmith.data.core import find_drafter
 from draftsmith.data.tokenizer import train_bpe
 from draftsmith.decoding import DraftTree, Proposer, plain_generate, speculative_generate
+from draftsmith.models import llama_cpp
 from draftsmith.models import registry as R
 from draftsmith.models.eagle import Eagle
 from draftsmith.models.eagle_config import EagleConfig, draft_config
@@ -72,9 +77,11 @@ FAMILIES = {  # name -> the family's own config, as transformers builds it
 DECODES = [f for f in FAMILIES if f != "qwen3_next"]  # qwen3_next: refused, test_a_linear_attention_target_is_refused
 
 
-def build(family: str, seed: int = 0) -> torch.nn.Module:
+def build(family: str, seed: int = 0, vocab: int = V) -> torch.nn.Module:
+    config = FAMILIES[family]()
+    config.get_text_config().vocab_size = vocab
     torch.manual_seed(seed)
-    return T.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    return T.AutoModelForCausalLM.from_config(config).eval()
 
 
 # ---- lossless decoding with a drafter that is mostly right --------------------------------------------------
@@ -199,7 +206,7 @@ SMALL = {  # each method at its smallest, on 4-layer targets
                   "loop.best_metric=tau_exit2"],  # its drafter is written to best/ alone
 }
 # The formats each recipe's drafters export to: its method's, but EAGLE-1's (vLLM only) and DSpark's (none but GGUF);
-# llama.cpp's GGUF is tests/test_llama_cpp.py's (its converter needs a tokenizer it knows).
+# llama.cpp's GGUF is the last test's (its converter needs a tokenizer it knows) and tests/test_llama_cpp.py's.
 EXPORTS = {"eagle1": ["vllm"], "dspark": []}
 KEYS = [r.key for r in R.RECIPES]
 
@@ -264,3 +271,54 @@ def test_what_cannot_work_is_refused_in_one_line_before_anything_is_written(fami
         train(family_dirs, family, key, tmp_path / "run")
     assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
     record_property("refused", str(e.value))
+
+
+# ---- llama.cpp: every family's target as GGUF, an EAGLE-3 drafter served beside it -----------------------------
+
+# The families whose llama.cpp graph keeps each layer's input for a drafter to read (`res->t_layer_inp[il] = inpL` in
+# src/models/llama.cpp, which Mixtral's GGUF also runs, qwen3.cpp, qwen3moe.cpp, openai-moe.cpp); EAGLE-3, DFlash and
+# DSpark all read the target through it (common/speculative.cpp, llama_set_embeddings_layer_inp). The other families'
+# graphs (gemma3.cpp, llama4.cpp, deepseek2.cpp, phi3.cpp, olmo2.cpp, glm4-moe.cpp) keep none.
+LLAMA_CPP_GRAPHS = {"llama", "qwen3", "qwen3_moe", "mixtral", "gpt_oss"}
+
+
+def gpt2_tokenizer() -> T.GPT2TokenizerFast:
+    """GPT-2's tokenizer rebuilt from llama.cpp's own vocabulary test file (models/ggml-vocab-gpt-2.gguf): llama.cpp's
+    converter accepts a BPE tokenizer only where it recognises the pre-tokenizer (by a hash of its encoding of a fixed
+    text), which no tokenizer trained here matches; with GLM's special tokens, which GLM's converter looks up by name.
+    Saved with tokenizer_class GPT2Tokenizer, which Phi-3's converter asks for."""
+    fields = llama_cpp.gguf_py().GGUFReader(llama_cpp.source() / "models" / "ggml-vocab-gpt-2.gguf").fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    bpe = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return T.GPT2TokenizerFast(tokenizer_object=bpe, bos_token=tokens[-1], eos_token=tokens[-1],
+                               additional_special_tokens=["[gMASK]", "<|user|>", "<|observation|>"])
+
+
+@pytest.mark.slow
+@NEEDS_SERVER
+@pytest.mark.parametrize("family", DECODES)
+def test_llama_cpp_serves_an_eagle3_gguf_losslessly_where_the_targets_graph_keeps_its_layers(family, tmp_path,
+                                                                                              record_property):
+    """The family's tiny target (GPT-2's vocabulary; a peaked head, so that llama.cpp's argmax is transformers') through
+    llama.cpp's converter, and a random EAGLE-3 drafter exported as GGUF; llama-server serves both: greedy output
+    equals the target's alone and acceptance is our decoder's (tests/test_llama_cpp.py, served_as_ours). Where the
+    target's graph keeps no layer inputs, llama-server aborts at the first request, and its reason is recorded."""
+    tokenizer = gpt2_tokenizer()
+    model = build(family, vocab=len(tokenizer)).requires_grad_(False)
+    model.get_output_embeddings().weight.data *= 8
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    gguf = llama_cpp.convert(tmp_path / "target", tmp_path / "target.gguf", "f32")
+    record_property("llama_cpp_arch", llama_cpp.read_gguf(gguf)["fields"]["general.architecture"])
+    run = drafter_dir(Target(model, tokenizer, str(tmp_path / "target")), tmp_path / "run", aux_layers=[3, 1, 2])
+    draft = R.export(run, "gguf", tmp_path / "gguf") / llama_cpp.GGUF_FILE
+    if family in LLAMA_CPP_GRAPHS:
+        served_as_ours(gguf, draft, "draft-eagle3", run, model)
+        record_property("llama_cpp", "served losslessly")
+        return
+    with pytest.raises(RuntimeError, match=r"GGML_ASSERT\(t_layer_inp\[il\] != nullptr") as e:
+        served_as_ours(gguf, draft, "draft-eagle3", run, model)
+    record_property("llama_cpp", str(e.value).rsplit("/", 1)[-1])  # FILE.cpp:LINE: GGML_ASSERT(...) failed

@@ -107,11 +107,16 @@ def to_messages(example: dict[str, Any]) -> list[dict[str, str]] | None:
         if role is None:
             raise ValueError(f"unknown chat role {turn[role_key]!r}; use one of {sorted(set(ROLE_ALIASES))}")
         message = {"role": role, "content": content_text(turn.get(content_key), f"turn {i} ({role})")}
-        field = next((k for k in REASONING_FIELDS if turn.get(k)), None) if role == "assistant" else None
+        field = reasoning_field(turn) if role == "assistant" else None
         if field is not None:
             message["reasoning_content"] = content_text(turn[field], f"turn {i} ({role}) {field}")
         messages.append(message)
     return messages
+
+
+def reasoning_field(turn: dict[str, Any]) -> str | None:
+    """The first of REASONING_FIELDS that `turn` (a message, or a server's choice) carries non-empty, if any."""
+    return next((k for k in REASONING_FIELDS if turn.get(k)), None)
 
 
 def has_generation_markers(template: str) -> bool:
@@ -223,14 +228,8 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> list[dic
 
 
 def tokenize_messages(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:
-    """`tokenize_conversation` for a conversation that is one sequence; a template that rewrites earlier turns of
-    this conversation raises `TemplateMismatch`."""
-    sequences = tokenize_conversation(tokenizer, messages)
-    if len(sequences) > 1:
-        raise TemplateMismatch("the chat template renders earlier turns differently once later turns follow (e.g. it "
-                               f"strips earlier <think> blocks), so the conversation is {len(sequences)} sequences, "
-                               "one per run of assistant turns; use tokenize_conversation")
-    return sequences[0]
+    """`tokenize_conversation` for a conversation that is one sequence (`tokenize_example`)."""
+    return tokenize_example(tokenizer, {"messages": messages})
 
 
 def _plain_text(tokenizer, text: str) -> dict[str, list[int]]:
@@ -250,6 +249,12 @@ def tokenize_sequences(tokenizer, example: dict[str, Any]) -> list[dict[str, lis
 
 
 def tokenize_example(tokenizer, example: dict[str, Any]) -> dict[str, list[int]]:
-    """One dataset example that is one sequence -> input_ids + loss_mask (`tokenize_sequences`, `tokenize_messages`)."""
-    messages = to_messages(example)
-    return _plain_text(tokenizer, example["text"]) if messages is None else tokenize_messages(tokenizer, messages)
+    """One dataset example that is one sequence -> input_ids + loss_mask (`tokenize_sequences`); a template that
+    rewrites earlier turns of this conversation raises `TemplateMismatch`."""
+    sequences = tokenize_sequences(tokenizer, example)
+    if len(sequences) > 1:
+        raise TemplateMismatch("the chat template renders earlier turns differently once later turns follow (e.g. it "
+                               f"strips earlier <think> blocks), so the conversation is {len(sequences)} sequences, "
+                               "one per run of assistant turns; use tokenize_conversation")
+    return sequences[0]
+

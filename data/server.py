@@ -33,13 +33,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from draftsmith.data.chat import reasoning_field
+
 # Sent with every request beside `temperature`: no top-k (-1 is "off" for vLLM, SGLang and llama.cpp alike), no
 # nucleus, no min-p.
 FILTERS_OFF = {"top_k": -1, "top_p": 1.0, "min_p": 0.0}
 
-# Where a server's reasoning parser puts a reply's reasoning apart from its text (the names vLLM and llama-server's
-# chat endpoint use); without a parser a completion's text holds the reasoning as the model wrote it (`<think>...`).
-REASONING_FIELDS = ("reasoning_content", "reasoning")
 REQUEST_TIMEOUT = 600.0  # seconds without an answer before a try counts as failed (--request-timeout)
 TRANSIENT = {429, 500, 502, 503, 504}  # HTTP statuses of a server busy, restarting or behind a proxy that lost it
 TRIES = 8  # tries of one request at most
@@ -151,7 +150,7 @@ class Server:
     def complete(self, ids: list[int], temperature: float, max_tokens: int) -> dict[str, str]:
         """The continuation of the prompt `ids` (token ids of the target's vocabulary), at most `max_tokens` long, as
         an assistant message: {"content": text}, with "reasoning_content" where the server's reasoning parser
-        returned the reasoning apart (choices[0] carries one of REASONING_FIELDS beside `text`)."""
+        returned the reasoning apart (choices[0] carries one of chat.REASONING_FIELDS beside `text`)."""
         seed = int(hashlib.sha256(f"{self.seed}:{ids}".encode()).hexdigest()[:7], 16)
         answer = self.call("/v1/completions", {
             "model": self.model["id"], "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
@@ -164,8 +163,10 @@ class Server:
         if not isinstance(text, str):
             raise ServerError(f"{self.url}/v1/completions answered without choices[0].text ({str(answer)[:80]}); "
                               "is --server an OpenAI-compatible server (llama-server, vLLM, SGLang)?")
-        reasoning = next((choice[k] for k in REASONING_FIELDS if isinstance(choice.get(k), str) and choice[k]), None)
-        return {"content": text} if reasoning is None else {"content": text, "reasoning_content": reasoning}
+        # a server's reasoning parser puts the reasoning apart from the text under the names chat.REASONING_FIELDS
+        # lists (vLLM, llama-server); without one the text holds it as the model wrote it (`<think>...`)
+        field = reasoning_field(choice)
+        return {"content": text} if field is None else {"content": text, "reasoning_content": choice[field]}
 
     def provenance(self) -> dict[str, Any]:
         """What answered, for the settings file: the URL, the model entry the server lists, how it was asked."""

@@ -86,6 +86,10 @@ class DFlashConfig:
         """Tokens drafted per block: the mask slots, and with DSpark's Markov head the anchor's slot too."""
         return self.block_size - (0 if self.markov_rank else 1)
 
+    def target_layers(self, num_target_layers: int) -> list[int]:
+        """The fused hidden_states indices: aux_layers, or DFlash's default for a target of that depth."""
+        return list(self.aux_layers) or default_aux_layers(num_target_layers, self.num_layers)
+
 
 def default_aux_layers(num_target_layers: int, num_layers: int) -> list[int]:
     """DFlash's choice as hidden_states indices: one feature per draft layer, the output of layer L//2 for one,
@@ -236,7 +240,7 @@ class DFlash(MethodBase):
         super().__init__()
         self.target, self.cfg = target, cfg
         text = target.config.get_text_config()
-        self.layers = list(cfg.aux_layers) or default_aux_layers(text.num_hidden_layers, cfg.num_layers)
+        self.layers = cfg.target_layers(text.num_hidden_layers)
         bad = [j for j in self.layers if not 1 <= j <= text.num_hidden_layers]
         if bad or len(set(self.layers)) != len(self.layers):
             raise ConfigError(f"dflash.aux_layers: {self.layers} must be distinct hidden_states indices in "

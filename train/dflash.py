@@ -6,10 +6,10 @@ forward; with dflash.markov_rank > 0 a DSpark drafter (train/dspark.py's recipe)
 The target stays frozen and runs in the loop (online), or its features come from the hidden-state cache an EAGLE-3
 recipe of the same target, layers and data writes (`draftsmith cache`, then offline.path=DIR): the cache's `aux`
 are the fused layers' features and its final `hidden` the teacher's, through the target's head at the drafted
-positions only (over the draft vocabulary's rows, with dflash.draft_vocab_size). At every checkpoint the held-out rows give per-slot
-loss, top-1 accuracy and conditional acceptance (`cond_acc_i`, whose running product predicts tau), and tau
-is measured by real speculative decoding of held-out prompts with the DFlash proposer; recipes keep the best
-checkpoint by tau.
+positions only (over the draft vocabulary's rows, with dflash.draft_vocab_size). At every checkpoint the held-out
+rows give per-slot loss, top-1 accuracy and conditional acceptance (`cond_acc_i`, whose running product predicts
+tau), and tau is measured by real speculative decoding of held-out prompts with the DFlash proposer; recipes keep
+the best checkpoint by tau.
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ import dataclasses
 
 import torch
 
-from draftsmith.data.dataset import DataConfig, build_dataset
-from draftsmith.data.hidden_cache import collate_features
+from draftsmith.data.dataset import DataConfig
 from draftsmith.decoding.evaluate import decode_metric_names
-from draftsmith.models.dflash import DFlash, DFlashConfig, default_aux_layers, mask_token
+from draftsmith.models.dflash import DFlash, DFlashConfig, mask_token
 from draftsmith.recipes import RECIPES
 from draftsmith.train import config as C
-from draftsmith.train.eagle import EvalConfig, OfflineConfig, kept_draft_vocab, offline_rows
+from draftsmith.train.eagle import (
+    EvalConfig,
+    OfflineConfig,
+    kept_draft_vocab,
+    training_collate,
+    training_rows,
+)
 from draftsmith.train.guard import cli
 from draftsmith.train.loop import Loop, collate
 from draftsmith.train.runner import Spec, decoder, run
@@ -89,18 +94,11 @@ def build(cfg: Recipe, target, train) -> DFlash:
     return DFlash(target, cfg.dflash, mask_token(target, cfg.dflash.mask_token_id), ids)
 
 
-def rows(cfg: Recipe, target):
-    """The training rows: the recipe's data, or with offline.path the cache of it holding the drafter's layers."""
-    if not cfg.offline.path:
-        return build_dataset(cfg.data, target.tokenizer)
-    text = target.config.get_text_config()
-    return offline_rows(cfg, target, cfg.dflash.aux_layers or default_aux_layers(text.num_hidden_layers,
-                                                                                 cfg.dflash.num_layers))
-
-
 SPEC = Spec(Recipe, RECIPES / "dflash/tiny-code.yaml", __doc__, build=build, evaluator=evaluator,
-            metric_names=lambda cfg, target: check_eval(cfg), data=rows,
-            collate=lambda cfg: collate_features if cfg.offline.path else collate)
+            metric_names=lambda cfg, target: check_eval(cfg),
+            data=lambda cfg, target: training_rows(cfg, target, cfg.dflash.target_layers(
+                target.config.get_text_config().num_hidden_layers)),
+            collate=training_collate)
 
 
 def main(argv: list[str] | None = None) -> Loop:

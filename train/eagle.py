@@ -99,9 +99,11 @@ def heldout_metrics(method: Eagle, batches: list[dict], steps: int) -> dict[str,
             "expected_tau_t1": tau("accept")}
 
 
-def offline_rows(cfg, target, layers: list[int]) -> HiddenCache:
-    """The hidden-state cache at offline.path, refused unless it holds this target's features of `layers` (the
-    method's hidden_states indices) for the recipe's data."""
+def training_rows(cfg, target, layers: list[int]):
+    """The recipe's training rows (`data`), or with offline.path its hidden-state cache, refused unless it holds this
+    target's features of `layers` (the method's hidden_states indices) for the recipe's data."""
+    if not cfg.offline.path:
+        return build_dataset(cfg.data, target.tokenizer)
     cache = HiddenCache(cfg.offline.path, target, layers)
     written = cache.manifest["meta"].get("data_key")
     if written != cache_key(cfg.data, target.tokenizer):
@@ -109,6 +111,11 @@ def offline_rows(cfg, target, layers: list[int]) -> HiddenCache:
                          "section, or by another version of the data pipeline; rewrite it with draftsmith cache and "
                          f"this recipe (`--reuse {cfg.offline.path}` links the shards whose tokens are unchanged)")
     return cache
+
+
+def training_collate(cfg) -> Callable:
+    """The loop's collate: of cached rows (their features too) with offline.path, else of token rows."""
+    return collate_features if cfg.offline.path else collate
 
 
 def metric_names(cfg: Recipe) -> list[str]:
@@ -169,10 +176,9 @@ def spec(default_recipe: Path, doc: str, recipe: type = Recipe, build=None) -> S
                 build=build or (lambda cfg, target, train: Eagle(target, cfg.eagle, draft_ids(cfg, target, train))),
                 evaluator=lambda cfg, target, method, heldout: checkpoint_evaluator(cfg, target, heldout),
                 metric_names=lambda cfg, target: metric_names(cfg),
-                data=lambda cfg, target: offline_rows(cfg, target, aux_layers(
-                    cfg.eagle, target.config.get_text_config().num_hidden_layers)) if cfg.offline.path
-                else build_dataset(cfg.data, target.tokenizer),
-                collate=lambda cfg: collate_features if cfg.offline.path else collate)
+                data=lambda cfg, target: training_rows(cfg, target, aux_layers(
+                    cfg.eagle, target.config.get_text_config().num_hidden_layers)),
+                collate=training_collate)
 
 
 SPEC = spec(RECIPES / "eagle/tiny-code.yaml", __doc__)

@@ -225,8 +225,9 @@ def _layer_config(fields: dict) -> LlamaConfig:
 
 def _eagle3_drafter(fields: dict, tensors: dict[str, torch.Tensor], layers: list[int]) -> EagleDrafter:
     """An EAGLE-3 drafter from a Llama config dict and tensors named midlayer.* or layers.0.* (and layers.i.* for the
-    layers after it); t2d is rebuilt from d2t, as both engines ignore it."""
-    state = {_drafter_name(k): v for k, v in tensors.items() if k != "t2d"}
+    layers after it); t2d is rebuilt from d2t, as both engines ignore it. An embed_tokens.weight (speculators and
+    SpecForge ship a copy of the target's) is not read: this drafter drafts with the target's embedding."""
+    state = {_drafter_name(k): v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}
     config = _layer_config(fields)
     config.draft_vocab_size = state["d2t"].numel()
     config.target_hidden_size = fields.get("target_hidden_size") or config.hidden_size

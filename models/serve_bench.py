@@ -15,7 +15,6 @@ from draftsmith.decoding.generate import speculative_generate
 from draftsmith.decoding.metrics import DecodeStats
 from draftsmith.decoding.verify import Sampling
 from draftsmith.models import llama_cpp, zoo
-from draftsmith.models import registry as R
 
 
 def target_ggufs(name: str, target_dir: Path, precisions: list[str]) -> dict[str, Path]:
@@ -41,10 +40,10 @@ def target_ggufs(name: str, target_dir: Path, precisions: list[str]) -> dict[str
 
 
 @torch.no_grad()
-def ours(model, drafter: Path, prompts: list[torch.Tensor], max_new: int, gamma: int, temperatures) -> dict:
-    """Our decoder with the same drafter, chain of `gamma`, on the same prompt ids: tau, acceptance by position
-    (conditional, and llama.cpp's: accepted at k / steps) per temperature."""
-    proposer = R.load_proposer(str(drafter), model, gamma=gamma)
+def ours(model, proposer, prompts: list[torch.Tensor], max_new: int, gamma: int, temperatures) -> dict:
+    """Our decoder with the same drafter (`proposer`, a chain of `gamma`: models.registry.load_proposer of a drafter dir), on the
+    same prompt ids: tau, acceptance by position (conditional, and llama.cpp's: accepted at k / steps) per
+    temperature."""
     out = {}
     for t in temperatures:
         stats, outputs = DecodeStats(), []

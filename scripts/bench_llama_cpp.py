@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
             served[name] = (["--spec-type", SPEC_TYPE[method], "-md",
                              str(R.export(src, "gguf", Path(tmp) / name) / llama_cpp.GGUF_FILE)])
             results["drafters"][name] = {"run": str(run), "drafter": str(src), "method": method}
-            results["ours"][name] = ours(target.model, src, prompts, args.max_new_tokens, args.draft_n, args.temperatures)
+            proposer = R.load_proposer(str(src), target.model, gamma=args.draft_n)
+            results["ours"][name] = ours(target.model, proposer, prompts, args.max_new_tokens, args.draft_n,
+                                         args.temperatures)
             print(f"ours {name}: " + ", ".join(f"T={t} tau {r['tau']:.3f}" for t, r in results["ours"][name].items()),
                   flush=True)
         ways = {"plain": [], **{n: ["--spec-type", n] for n in args.ngram}, **served,

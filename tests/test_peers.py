@@ -5,17 +5,21 @@ The tests that run a peer skip, saying how to set it up, where its venv is absen
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from test_llama_cpp import NEEDS_SOURCE, llama_style_tokenizer
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -29,7 +33,7 @@ from draftsmith.models.eagle import draft_vocab
 from draftsmith.models.layerskip import final_norm
 from draftsmith.models.target import Target, load_target
 from draftsmith.train import config as C
-from draftsmith.train import peers, peers_bench
+from draftsmith.train import peer_cpu, peers, peers_bench
 from draftsmith.train.eagle import Recipe
 
 LAYERS = [1, 2, 3]  # of the 4-layer tiny chat target
@@ -279,6 +283,13 @@ def test_a_peer_trains_for_its_budget_and_its_checkpoint_converts_with_the_layer
     r = peers.train(name, tmp_path / "inputs", tmp_path / "run", budget_s=20, peer_args=peer_args, probe_steps=5,
                     log=lambda s: None)
     assert r["steps"] == r["steps_planned"] >= 1 and r["train_seconds"] <= 1.25 * 20 + peers.STOP_GRACE_S
+    events = peers.read_events(tmp_path / "run/main/events.txt")
+    assert len(events.tokens) == r["steps"] and r["tokens"] == sum(events.tokens) and r["tokens_per_s"] > 0
+    lengths = datasets.load_from_disk(str(tmp_path / "inputs" / pf.SPECULATORS_DIR))[:]["seq_len"].tolist()
+    if name == "specforge":  # batch 1: each step trains on one conversation, every one of its tokens
+        assert set(events.tokens) <= set(lengths)
+    else:  # conversations packed into rows of --total-seq-len, each shifted by one: a token less each
+        assert all(0 < n <= 1024 for n in events.tokens) and max(events.tokens) >= min(lengths) - 1
     assert json.loads((Path(r["export"]) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert peers.train(name, tmp_path / "inputs", tmp_path / "run", budget_s=20) == r  # a finished run is kept
     gguf = llama_cpp.read_gguf(llama_cpp.convert(r["export"], tmp_path / "draft.gguf", "f32", llama_cpp_target))
@@ -296,7 +307,8 @@ def test_the_plan_lists_every_phase_and_trains_all_three_on_the_same_drafter_wit
     assert phases == sorted(phases, key=["setup", "inputs", "train", "judge", "report"].index)
     assert len(set(phases)) == 5 and not (tmp_path / "w").exists()  # nothing run, nothing written
     step = {line.split()[1].rstrip(":"): line for line in lines}
-    assert all("data.limit=10" in step[s] for s in ("inputs-draftsmith", "inputs-peers"))
+    # the same conversations for all three: draftsmith's training refuses a cache of other data than its recipe's
+    assert all("data.limit=10" in step[s] for s in ("inputs-draftsmith", "inputs-peers", "train-draftsmith"))
     assert "--budget-minutes 2 --lr 0.001" in step["train-specforge-our-lr"] and "--lr" not in step["train-specforge"]
     overrides = [t for t in shlex.split(step["train-draftsmith"].split(": ", 1)[1]) if "=" in t]
     recipe = C.load(Recipe, "recipes/eagle3/smollm2-135m.yaml", overrides)
@@ -332,3 +344,114 @@ def test_a_finished_step_is_never_redone_a_failed_or_loaded_one_runs_again(tmp_p
     b.run_all(steps, tmp_path / "w", cool_s=0, say=said.append)
     e_state = json.loads((tmp_path / "w/state.json").read_text())["steps"]["e"]  # read back from the file
     assert e_state["output_cleared"] and not e_state["loaded"] and count.read_text() == "a"
+
+
+# ---- tokens seen: the shim's events, each checkpoint's tokens, the report at equal tokens -------------------------
+
+def test_the_shims_step_lines_carry_each_steps_tokens_and_a_line_being_written_waits(tmp_path, monkeypatch):
+    events = tmp_path / "events.txt"
+    monkeypatch.setenv(peer_cpu.EVENTS, str(events))
+    monkeypatch.setattr(peer_cpu, "pending", [0])
+    peer_cpu.record("epoch_steps 9")
+    peer_cpu.batch(torch.tensor([[1, 1, 0]]).sum())  # two micro-batches of one optimizer step (a 0-d tensor, an int)
+    peer_cpu.batch(5)
+    peer_cpu.step()
+    peer_cpu.batch(4)
+    peer_cpu.step()
+    got = peers.read_events(events)
+    assert got.tokens == [7, 4] and got.epoch_steps == 9 and len(got.steps) == 2
+    assert got.steps[0] <= got.steps[1] <= time.time()
+    with open(events, "a") as fh:
+        fh.write("step 17")  # the shim is mid-write: the step is read once its line is whole
+    assert peers.read_events(events) == got
+    assert peers.tokens_until(got, got.steps[0]) == 7 and peers.tokens_until(got, got.steps[0] - 1) == 0
+    assert peers.read_events(tmp_path / "none.txt") == peers.Events([], [], 0)
+
+
+def saved_at(path: Path, when: float) -> Path:
+    path.mkdir(parents=True)
+    os.utime(path, (when, when))
+    return path
+
+
+def test_a_peers_checkpoints_have_the_minutes_and_tokens_of_the_steps_made_before_each_was_saved(tmp_path):
+    run = tmp_path / "train/specforge"
+    t0 = 1000.0
+    tokens = [50, 60, 70, 80, 90]
+    (run / "main").mkdir(parents=True)
+    (run / "main/events.txt").write_text("".join(f"step {t0 + 30 * i} {n}\n" for i, n in enumerate(tokens)))
+    ckpts = run / "main/checkpoints"
+    saved_at(ckpts / f"{peers.RUN_ID}-step4", t0 + 95)  # after the 4th step (t0 + 90), before the 5th
+    saved_at(ckpts / f"{peers.RUN_ID}-step2", t0 + 35)
+    (ckpts / f"{peers.RUN_ID}-latest").symlink_to(f"{peers.RUN_ID}-step4")
+    got = peers_bench.checkpoints_of("specforge", run, t0 - 500, tmp_path)
+    assert [(c["checkpoint"], c["tokens"]) for c in got] == [(f"{peers.RUN_ID}-step2", sum(tokens[:2])),
+                                                             (f"{peers.RUN_ID}-step4", sum(tokens[:4]))]
+    assert [c["minutes"] for c in got] == [round(35 / 60, 1), round(95 / 60, 1)]  # from its first step
+
+
+def draftsmith_checkpoint(run: Path, step: int, batch: int, max_length: int) -> None:
+    ckpt = run / f"checkpoint-{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": step, "train_seconds": 4.0 * step, "world_size": 1}))
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({"data": {"pack": True, "max_length": max_length},
+                                                      "loop": {"batch_size": batch, "grad_accum": 1}}))
+    (ckpt / "model").mkdir()
+
+
+def test_draftsmiths_tokens_are_its_loops_positions_less_the_padding_of_its_packed_rows(tmp_path):
+    work, batch, length = tmp_path, 2, 64
+    cache, inputs, run = work / "inputs/cache", work / "inputs/peers", work / "train/draftsmith"
+    cache.mkdir(parents=True)
+    inputs.mkdir(parents=True)
+    rows, tokens = 10, 576  # the same conversations: 10 packed rows of 64 positions; unpacked, 576 tokens
+    (cache / "manifest.json").write_text(json.dumps({"tokens": rows * length}))
+    (inputs / "manifest.json").write_text(json.dumps({"tokens": tokens}))
+    for step in (5, 10):
+        draftsmith_checkpoint(run, step, batch, length)  # 4 s of training a step
+    r = peers_bench.draftsmith_result(run, cache, inputs)
+    positions = 10 * batch * length
+    assert r["positions"] == positions and r["token_share"] == tokens / (rows * length)
+    assert r["tokens"] == round(positions * tokens / (rows * length)) and r["epochs"] == 2.0  # 20 rows seen of 10
+    assert r["steps"] == 10 and r["tokens_per_s"] == round(r["tokens"] / 40.0, 1)
+    got = peers_bench.checkpoints_of("draftsmith", run, 0.0, work)  # minutes: of training, evaluations left out
+    assert [(c["checkpoint"], c["tokens"], c["minutes"]) for c in got] == [
+        ("checkpoint-5", round(5 * batch * length * r["token_share"]), round(20 / 60, 1)),
+        ("checkpoint-10", r["tokens"], round(40 / 60, 1))]
+    assert got[0]["path"] == run / "checkpoint-5/model"
+    (inputs / "manifest.json").unlink()  # without the peers' input the padding is unknown: no token count
+    assert peers_bench.draftsmith_result(run, cache, inputs)["tokens"] is None
+
+
+def test_the_report_names_each_trainers_checkpoint_nearest_the_largest_token_count_all_reached(tmp_path):
+    w = tmp_path / "w"
+    (w / "judge").mkdir(parents=True)
+
+    def judged(name: str, checkpoints: list[tuple], at_t0: float) -> None:
+        row = {"outputs": [[1]], "acceptance_length": at_t0}
+        (w / "judge" / f"{name}.json").write_text(json.dumps({
+            "llama_cpp": {"heldout": {"0": row, "1": row}}, "checkpoints": [
+                {"checkpoint": c, "minutes": m, "tokens": t, **({"acceptance_length": a} if a else {"error": "x"})}
+                for c, m, t, a in checkpoints]}))
+
+    judged("draftsmith", [("checkpoint-10", 1.0, 9_000, 1.4), ("checkpoint-20", 2.0, 18_000, 1.6)], 1.6)
+    # the checkpoint that failed to serve is no candidate, though its count is nearer
+    judged("speculators", [("0", 1.5, 9_500, 1.2), ("1", 2.5, 10_400, None), ("interrupted", 3.0, 14_000, 1.3)], 1.3)
+    judged("specforge", [("peer-step4", 1.0, 5_000, 1.1), ("peer-step8", 2.0, 10_500, 1.25)], 1.25)
+    judged("specforge-our-lr", [], 1.3)
+    (w / "state.json").write_text(json.dumps({"steps": {
+        "train-specforge": {"status": "done", "result": {"steps": 8, "tokens": 10_500, "epochs": 0.5,
+                                                          "train_seconds": 60.0, "tokens_per_s": 175.0}},
+        "train-speculators": {"status": "failed", "error": "x"}}}))
+    args = argparse.Namespace(work=w, out=tmp_path / "out/peers.json", plot=tmp_path / "out/peers.png",
+                              budget_minutes=3.0)
+    peers_bench.report(args)
+    got = json.loads(args.out.read_text())
+    assert got["at_equal_tokens"]["tokens"] == 10_500  # SpecForge's most; the others passed it
+    assert {n: c["checkpoint"] for n, c in got["at_equal_tokens"]["nearest"].items()} == {
+        "draftsmith": "checkpoint-10", "speculators": "0", "specforge": "peer-step8"}
+    assert got["trainers"] == {"specforge": {"steps": 8, "tokens": 10_500, "epochs": 0.5, "train_seconds": 60.0,
+                                             "tokens_per_s": 175.0}}
+    assert got["drafters"]["specforge-our-lr"]["better_of_its_two_lrs"]
+    assert "better_of_its_two_lrs" not in got["drafters"]["specforge"]
+    assert args.plot.stat().st_size > 0

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 from safetensors import safe_open
@@ -193,20 +194,38 @@ def specforge_target(target, out: Path) -> None:
 
 # ---- a run: planned to fill a time budget, stopped at it, its checkpoint found and exported ----------------------
 
-def read_events(path: Path) -> tuple[list[float], int]:
-    """The shim's events: the time of each optimizer step, and the steps of an epoch (speculators; 0 if not told)."""
-    steps, epoch = [], 0
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        kind, value = line.split()
+class Events(NamedTuple):
+    """What the shim recorded of a run: each optimizer step's unix time and tokens (the non-padding positions it
+    trained on; train/peer_cpu.py says what they are for each peer), and the steps of an epoch (speculators; 0 if
+    not told)."""
+
+    steps: list[float]
+    tokens: list[int]
+    epoch_steps: int
+
+
+def read_events(path: Path) -> Events:
+    """The shim's events file (a line still being written is left for the next read)."""
+    text = path.read_text() if path.is_file() else ""
+    steps, tokens, epoch_steps = [], [], 0
+    for line in text.splitlines()[:text.count("\n")]:
+        kind, *values = line.split()
         if kind == "step":
-            steps.append(float(value))
+            steps.append(float(values[0]))
+            tokens.append(int(values[1]))
         else:
-            epoch = int(value)
-    return steps, epoch
+            epoch_steps = int(values[0])
+    return Events(steps, tokens, epoch_steps)
 
 
-def launch(peer: Peer, args: list[str], run: Path, budget_s: float, stop_after: int = 0) -> list[float]:
-    """Run `peer` through the CPU shim with `args` (its output in run/log.txt) -> its optimizer steps' times. Past
+def tokens_until(events: Events, when: float) -> int:
+    """Tokens of the steps made by unix time `when`: a checkpoint's mtime gives the tokens it was trained on (both
+    peers save between steps)."""
+    return sum(n for t, n in zip(events.steps, events.tokens, strict=True) if t <= when)
+
+
+def launch(peer: Peer, args: list[str], run: Path, budget_s: float, stop_after: int = 0) -> Events:
+    """Run `peer` through the CPU shim with `args` (its output in run/log.txt) -> what it recorded. Past
     the budget (from its first step, plus a quarter and STOP_GRACE_S for validation and the last checkpoint), or once
     it made `stop_after` steps (> 0), it gets SIGTERM (both peers unwind on it; speculators saves an `interrupted`
     checkpoint), then SIGKILL after STOP_GRACE_S more. A run that fails raises its last line of output and the
@@ -219,7 +238,7 @@ def launch(peer: Peer, args: list[str], run: Path, budget_s: float, stop_after: 
         start, stopped = time.time(), 0.0
         while proc.poll() is None:
             time.sleep(1)
-            steps, _ = read_events(events)
+            steps = read_events(events).steps
             deadline = (steps[0] if steps else start) + 1.25 * budget_s + STOP_GRACE_S
             if not stopped and (time.time() > deadline or len(steps) >= stop_after > 0):
                 proc.terminate()
@@ -230,7 +249,7 @@ def launch(peer: Peer, args: list[str], run: Path, budget_s: float, stop_after: 
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] or ["no output"]
         raise RuntimeError(f"{peer.name} exited with {proc.returncode}: {' '.join(lines[-1].split())[:300]}; "
                            f"see {log}")
-    return read_events(events)[0]
+    return read_events(events)
 
 
 def speculators_args(inputs: Path, run: Path, steps: int, epochs: int, lr: float | None) -> list[str]:
@@ -272,7 +291,7 @@ def specforge_config(inputs: Path, run: Path, steps: int, epochs: int, lr: float
 
 
 def _launch_planned(peer: Peer, inputs: Path, run: Path, steps: int, epochs: int, lr: float | None,
-                    peer_args: list[str], budget_s: float, stop_after: int = 0) -> list[float]:
+                    peer_args: list[str], budget_s: float, stop_after: int = 0) -> Events:
     run.mkdir(parents=True)
     if peer.name == "speculators":
         return launch(peer, [*speculators_args(inputs, run, steps, epochs, lr), *peer_args], run, budget_s, stop_after)
@@ -291,8 +310,10 @@ def train(name: str, inputs: str | Path, run: str | Path, budget_s: float, lr: f
     --total-seq-len 4096; SpecForge: dotted overrides such as training.batch_size=2). A finished run
     (run/result.json) is returned as it is; an unfinished one starts again.
 
-    Returns result.json: steps planned and done, training seconds (first to last step), seconds per step of the
-    probe, wall seconds, lr (None: the peer's default), the checkpoint and the export."""
+    Returns result.json: steps planned and done, tokens seen (the non-padding positions of the batches its steps
+    trained on), epochs, training seconds (first to last step: validation passes and checkpoint saves included) and
+    tokens/s over them, seconds per step of the probe, wall seconds, lr (None: the peer's default), the checkpoint
+    and the export."""
     peer, inputs, run = PEERS[name], Path(inputs), Path(run)
     if (run / RESULT).is_file():
         return read_file(run / RESULT, f"delete {run} and train again")
@@ -304,18 +325,25 @@ def train(name: str, inputs: str | Path, run: str | Path, budget_s: float, lr: f
     # the probe is stopped once timed, not left to finish its epochs (speculators' would each add a step, a
     # validation pass and a checkpoint past max_steps)
     probe = _launch_planned(peer, inputs, run / "probe", probe_steps, probe_steps, lr, peer_args, budget_s,
-                            probe_steps)
-    _, epoch_steps = read_events(run / "probe" / "events.txt")
+                            probe_steps).steps
     if len(probe) < PROBE_WARMUP + 2:
-        raise RuntimeError(f"the {name} probe made {len(probe)} steps, too few to time; raise probe_steps "
+        fix = "raise probe_steps" if len(probe) == probe_steps else (
+            "its deadline came first: give it a longer budget, or more data or a smaller batch (--peer-arg) where an "
+            "epoch is a step or two (speculators validates and saves after each)")
+        raise RuntimeError(f"the {name} probe made {len(probe)} of {probe_steps} steps, too few to time; {fix} "
                            f"(see {run / 'probe' / 'log.txt'})")
     step_s = (probe[-1] - probe[PROBE_WARMUP]) / (len(probe) - 1 - PROBE_WARMUP)
     steps = max(1, int(budget_s / step_s))
-    epochs = -(-steps // (epoch_steps or rows))  # exactly enough: speculators runs a step of each epoch past max_steps
+    epoch_steps = read_events(run / "probe" / "events.txt").epoch_steps or rows  # SpecForge: batch 1, a row a step
+    epochs = -(-steps // epoch_steps)  # exactly enough: speculators runs a step of each epoch past max_steps
     log(f"{name}: {step_s:.2f} s per step in the probe -> {steps} steps ({epochs} epochs) in {budget_s:.0f} s")
     done = _launch_planned(peer, inputs, run / "main", steps, epochs, lr, peer_args, budget_s)
-    result = {"peer": name, "version": peer.version, "steps_planned": steps, "steps": len(done),
-              "train_seconds": round(done[-1] - done[0], 1) if done else 0.0,
+    seconds = done.steps[-1] - done.steps[0] if done.steps else 0.0
+    result = {"peer": name, "version": peer.version, "steps_planned": steps, "steps": len(done.steps),
+              "tokens": sum(done.tokens), "epochs": round(len(done.steps) / epoch_steps, 3),
+              "train_seconds": round(seconds, 1),
+              # the seconds run from the first step's end to the last's: the tokens of the steps after the first
+              "tokens_per_s": round(sum(done.tokens[1:]) / seconds, 1) if seconds else None,
               "probe_seconds_per_step": round(step_s, 3), "budget_seconds": budget_s,
               "wall_seconds": round(time.time() - t0, 1), "lr": lr, "peer_args": list(peer_args),
               "checkpoint": str(checkpoint(name, run / "main"))}
